@@ -1,0 +1,187 @@
+//! The transport contract, and its implementations (today: [`tcp`]).
+//!
+//! A transport moves bytes between two ranks. It knows nothing of datatypes or
+//! collectives: algorithms above it see peers and registered buffers only through
+//! the traits of this crate.
+//!
+//! # Why the contract looks as it does
+//!
+//! It is shaped for RDMA verbs first (the hardest transport and the reason the
+//! project exists), following NCCL's network-plugin API, so that TCP and shared
+//! memory fit it easily and verbs fits it without change:
+//!
+//! * **Connection setup by exchanged address blobs** ([`Transport::listen`],
+//!   [`Listener::address`], [`Transport::connect`], [`Listener::accept`]). A
+//!   blob is opaque: `ip:port` for TCP, a QP number, LID/GID and PSN for verbs, a
+//!   segment name for shared memory. The bootstrap carries blobs between ranks.
+//!   Every connection opens with a [`Hello`] carrying the job token, so a stray
+//!   connection is refused and logged instead of corrupting the job.
+//! * **Explicit memory registration** ([`Transport::register`] returning a
+//!   [`MemRegion`], with a [`RegistrationCache`] in front): a no-op for TCP,
+//!   `ibv_reg_mr` for verbs. Data calls name memory by region and byte range so
+//!   verbs can find its `lkey`/`rkey` without a lookup.
+//! * **Non-blocking send/receive with explicit completion** ([`Connection::isend`],
+//!   [`Connection::irecv`] return a [`Request`]; [`Connection::progress`] moves
+//!   bytes; [`Connection::is_done`] polls). One thread can keep many transfers
+//!   in flight, which is what chunked pipelining needs, and a verbs completion
+//!   queue maps onto it directly. Messages on one connection are matched in
+//!   order; each carries a caller-chosen [`Tag`] and a length that the receiver
+//!   checks, so ranks that disagree on an operation get an error, not garbage.
+//! * **Bounded buffering with back-pressure.** A send completes only once its
+//!   bytes are in bounded space the receiver has granted: the socket buffer
+//!   (TCP's window is the credit), a staging slot granted by a credit (verbs,
+//!   shared memory), or the posted receive itself. Posting a receive is what
+//!   grants space, so a slow receiver stalls its sender instead of growing memory.
+//!   Staging for reductions is owned by the algorithm layer: it registers a fixed
+//!   set of chunk-sized slots once and reuses them.
+//! * **Every wait has a deadline.** Nothing here blocks without one: a [`Poller`]
+//!   sleeps on the connections' wake-up descriptors (socket, completion channel,
+//!   eventfd) until progress or the deadline, and a dead peer surfaces as
+//!   [`Error::Closed`] or [`Error::Timeout`] naming the peer rank.
+
+mod error;
+mod memory;
+mod poller;
+pub mod tcp;
+mod wire;
+
+use std::os::fd::BorrowedFd;
+use std::time::Instant;
+
+pub use error::{Error, Result};
+pub use memory::{MemRegion, RegistrationCache};
+pub use poller::Poller;
+
+/// Index of a process in the job, `0..world_size`.
+pub type Rank = usize;
+
+/// Caller-chosen label carried by every message and checked by the receiver.
+/// The collectives layer packs the operation, datatype, count and sequence
+/// number into it; a transport treats it as opaque.
+pub type Tag = u128;
+
+/// What a connection says first: which job it belongs to and who is calling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Hello {
+    /// Per-job secret; a connection carrying another token is refused.
+    pub token: u128,
+    /// Rank of the side that sends this hello.
+    pub from: Rank,
+    /// Rank the sender means to reach (guards against stale addresses).
+    pub to: Rank,
+}
+
+/// A completion handle returned by [`Connection::isend`] / [`Connection::irecv`].
+/// Requests of one direction complete in the order they were posted.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    dir: Direction,
+    seq: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Direction {
+    Send = 0,
+    Recv = 1,
+}
+
+/// Which readiness a connection waits for before it can progress again.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Interest {
+    pub readable: bool,
+    pub writable: bool,
+}
+
+/// A way of moving bytes between ranks (TCP, shared memory, verbs).
+pub trait Transport: Send + Sync {
+    /// Short name for logs and flags: `tcp`, `shm`, `verbs`.
+    fn name(&self) -> &'static str;
+
+    /// Starts listening; the returned listener's address blob goes to peers.
+    fn listen(&self) -> Result<Box<dyn Listener>>;
+
+    /// Connects to the listener whose blob is `address`, introducing ourselves
+    /// with `hello` and waiting for the peer's acknowledgement until `deadline`.
+    fn connect(
+        &self,
+        address: &[u8],
+        hello: Hello,
+        deadline: Instant,
+    ) -> Result<Box<dyn Connection>>;
+
+    /// Makes `len` bytes at `addr` usable by this transport's data calls.
+    /// Registration only records (or pins) the range; the lifetime obligations
+    /// fall on [`Connection::isend`] and [`Connection::irecv`].
+    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion>;
+}
+
+/// The passive side of connection setup.
+pub trait Listener: Send {
+    /// Opaque address blob for peers' [`Transport::connect`].
+    fn address(&self) -> Vec<u8>;
+
+    /// Waits until `deadline` for the next peer that presents `token` and is
+    /// addressed to `me`; connections with another token are refused, logged,
+    /// and waiting goes on. Returns the peer's rank and the connection.
+    fn accept(
+        &mut self,
+        token: u128,
+        me: Rank,
+        deadline: Instant,
+    ) -> Result<(Rank, Box<dyn Connection>)>;
+}
+
+/// A reliable, ordered, bidirectional message connection to one peer.
+pub trait Connection: Send {
+    /// The peer's rank.
+    fn peer(&self) -> Rank;
+
+    /// Posts a send of `region[offset..offset + len]` tagged `tag`.
+    ///
+    /// # Safety
+    /// The bytes must stay valid and unmodified until the request completes,
+    /// the connection is aborted, or it is dropped.
+    unsafe fn isend(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request>;
+
+    /// Posts a receive of exactly `len` bytes tagged `tag` into
+    /// `region[offset..offset + len]`. A message with another tag or length is
+    /// an [`Error::Mismatch`].
+    ///
+    /// # Safety
+    /// The bytes must stay valid and must not be read or written by anyone else
+    /// until the request completes, the connection is aborted, or it is dropped.
+    unsafe fn irecv(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request>;
+
+    /// Moves as many bytes as possible without blocking. Returns whether
+    /// anything moved. Errors are sticky: once failed, always failed.
+    fn progress(&mut self) -> Result<bool>;
+
+    /// Whether `request` has completed (as of the last [`progress`](Self::progress)).
+    fn is_done(&self, request: Request) -> bool;
+
+    /// Number of posted requests not yet complete.
+    fn pending(&self) -> usize;
+
+    /// The descriptor to sleep on and the readiness that would let
+    /// [`progress`](Self::progress) move again; `None` when nothing is pending.
+    /// Called only after a `progress` that moved nothing (verbs arms its
+    /// completion channel here).
+    fn wake_source(&mut self) -> Option<(BorrowedFd<'_>, Interest)>;
+
+    /// Gives up on the connection: tells the peer why (best effort, bounded
+    /// time), forgets all posted requests and fails every later call. After it
+    /// returns, the transport no longer touches any posted buffer.
+    fn abort(&mut self, reason: &str);
+}

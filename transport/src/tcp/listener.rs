@@ -1,0 +1,203 @@
+//! Passive side: accepts peers, checks their hello, refuses strangers.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use rustix::event::{poll, PollFd, PollFlags, Timespec};
+use socket2::{Domain, Socket, Type};
+
+use super::{configure, TcpConnection, TcpOptions};
+use crate::wire::{self, BadHello, HELLO_LEN};
+use crate::{Connection, Error, Listener, Rank, Result};
+
+/// How long an accepted socket may take to say hello before it is dropped.
+const HELLO_PATIENCE: Duration = Duration::from_secs(10);
+
+/// A listening socket plus the accepted sockets still owing their hello.
+pub struct TcpListener {
+    socket: std::net::TcpListener,
+    address: SocketAddr,
+    options: TcpOptions,
+    greeting: Vec<Greeting>,
+}
+
+/// An accepted socket whose hello is not complete yet.
+struct Greeting {
+    stream: TcpStream,
+    from: SocketAddr,
+    hello: [u8; HELLO_LEN],
+    have: usize,
+    since: Instant,
+}
+
+impl TcpListener {
+    /// Listens on `ip` at a port the kernel picks.
+    pub fn bind(ip: IpAddr, options: TcpOptions) -> Result<Self> {
+        let addr = SocketAddr::new(ip, 0);
+        let io = |what, e: &std::io::Error| Error::io(None, what, e);
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, None)
+            .map_err(|e| io("create listening socket", &e))?;
+        socket
+            .bind(&addr.into())
+            .map_err(|e| Error::Invalid(format!("cannot listen on {ip}: {e}")))?;
+        // A deep backlog: every rank may connect to us at once.
+        socket.listen(1024).map_err(|e| io("listen", &e))?;
+        socket.set_nonblocking(true).map_err(|e| io("listen", &e))?;
+        let socket: std::net::TcpListener = socket.into();
+        let address = socket.local_addr().map_err(|e| io("listen", &e))?;
+        Ok(TcpListener {
+            socket,
+            address,
+            options,
+            greeting: Vec::new(),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.address
+    }
+
+    /// Takes every connection waiting in the backlog.
+    fn drain_backlog(&mut self) -> Result<()> {
+        loop {
+            match self.socket.accept() {
+                Ok((stream, from)) => {
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(|e| Error::io(None, "accept", &e))?;
+                    self.greeting.push(Greeting {
+                        stream,
+                        from,
+                        hello: [0; HELLO_LEN],
+                        have: 0,
+                        since: Instant::now(),
+                    });
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(Error::io(None, "accept", &e)),
+            }
+        }
+    }
+
+    /// Reads what hellos have arrived; returns the first valid one, dropping
+    /// (and logging) strangers and the silent.
+    fn take_greeted(&mut self, token: u128, me: Rank) -> Option<(Rank, TcpStream)> {
+        let mut i = 0;
+        while i < self.greeting.len() {
+            match self.greeting[i].check(token, me) {
+                Check::Waiting => i += 1,
+                Check::Drop => {
+                    self.greeting.swap_remove(i);
+                }
+                Check::Accept(rank) => return Some((rank, self.greeting.swap_remove(i).stream)),
+            }
+        }
+        None
+    }
+
+    /// Sleeps until the listener or a greeting socket is readable.
+    fn wait(&self, deadline: Instant) {
+        let timeout = deadline
+            .saturating_duration_since(Instant::now())
+            .min(HELLO_PATIENCE);
+        let ts = Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: timeout.subsec_nanos() as i64,
+        };
+        let mut fds: Vec<PollFd<'_>> = std::iter::once(PollFd::new(&self.socket, PollFlags::IN))
+            .chain(
+                self.greeting
+                    .iter()
+                    .map(|g| PollFd::new(&g.stream, PollFlags::IN)),
+            )
+            .collect();
+        // EINTR or an error just means we look again.
+        let _ = poll(&mut fds, Some(&ts));
+    }
+}
+
+enum Check {
+    Waiting,
+    Drop,
+    Accept(Rank),
+}
+
+impl Greeting {
+    fn check(&mut self, token: u128, me: Rank) -> Check {
+        match self.stream.read(&mut self.hello[self.have..]) {
+            Ok(0) => {
+                tracing::warn!(from = %self.from, "connection closed before its hello; ignored");
+                return Check::Drop;
+            }
+            Ok(n) => self.have += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+            Err(e) => {
+                tracing::warn!(from = %self.from, "connection failed before its hello ({e}); ignored");
+                return Check::Drop;
+            }
+        }
+        if self.have < HELLO_LEN {
+            if self.since.elapsed() > HELLO_PATIENCE {
+                tracing::warn!(from = %self.from, "refused a connection that sent no hello within {HELLO_PATIENCE:?}");
+                return Check::Drop;
+            }
+            return Check::Waiting;
+        }
+        let refuse = |why: String| {
+            tracing::warn!(from = %self.from, "refused a connection: {why}");
+            Check::Drop
+        };
+        match wire::decode_hello(&self.hello) {
+            Err(BadHello::NotOurs) => refuse("not a collectives peer".into()),
+            Err(BadHello::Version(v)) => {
+                refuse(format!("protocol version {v}, ours is {}", wire::VERSION))
+            }
+            Ok(h) if h.token != token => {
+                refuse(format!("rank {} presented another job's token", h.from))
+            }
+            Ok(h) if h.to != me => refuse(format!(
+                "rank {} wanted rank {}, this is rank {me}",
+                h.from, h.to
+            )),
+            Ok(h) => {
+                let ack = wire::encode_ack(me);
+                match self.stream.write(&ack) {
+                    Ok(n) if n == ack.len() => Check::Accept(h.from),
+                    _ => refuse(format!("could not acknowledge rank {}", h.from)),
+                }
+            }
+        }
+    }
+}
+
+impl Listener for TcpListener {
+    fn address(&self) -> Vec<u8> {
+        self.address.to_string().into_bytes()
+    }
+
+    fn accept(
+        &mut self,
+        token: u128,
+        me: Rank,
+        deadline: Instant,
+    ) -> Result<(Rank, Box<dyn Connection>)> {
+        loop {
+            self.drain_backlog()?;
+            if let Some((peer, stream)) = self.take_greeted(token, me) {
+                configure(&stream, self.options)
+                    .map_err(|e| Error::io(Some(peer), "configure socket", &e))?;
+                return Ok((peer, Box::new(TcpConnection::new(stream, peer)?)));
+            }
+            if Instant::now() >= deadline {
+                return Err(Error::io(
+                    None,
+                    "accept",
+                    &std::io::Error::new(ErrorKind::TimedOut, "no peer arrived in time"),
+                ));
+            }
+            self.wait(deadline);
+        }
+    }
+}

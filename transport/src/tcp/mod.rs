@@ -1,0 +1,140 @@
+//! TCP transport: one stream per peer, messages framed by a 32-byte header
+//! (see `wire`), read straight into the posted buffer, written straight from
+//! the sent one. The kernel's socket buffers are the bounded staging and TCP's
+//! window is the credit: a receiver that posts no receive stops reading, its
+//! window closes, and its sender's `progress` stops moving.
+
+mod connection;
+mod listener;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use socket2::SockRef;
+
+pub use connection::TcpConnection;
+pub use listener::TcpListener;
+
+use crate::wire::{self, ACK_LEN};
+use crate::{Connection, Error, Hello, Listener, MemRegion, Result, Transport};
+
+/// Tuning knobs of the TCP transport.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpOptions {
+    /// `SO_SNDBUF`/`SO_RCVBUF` in bytes. `None` (the default) leaves Linux's
+    /// autotuning on, which grows buffers up to `net.ipv4.tcp_{w,r}mem`; setting
+    /// a size turns autotuning off and is capped by `net.core.{w,r}mem_max`.
+    pub socket_buffer: Option<usize>,
+}
+
+/// TCP transport bound to one local address.
+#[derive(Debug)]
+pub struct TcpTransport {
+    bind_ip: IpAddr,
+    options: TcpOptions,
+}
+
+impl TcpTransport {
+    /// A transport whose listeners bind `bind_ip` (the address peers reach us at).
+    pub fn new(bind_ip: IpAddr, options: TcpOptions) -> Self {
+        TcpTransport { bind_ip, options }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>> {
+        Ok(Box::new(TcpListener::bind(self.bind_ip, self.options)?))
+    }
+
+    fn connect(
+        &self,
+        address: &[u8],
+        hello: Hello,
+        deadline: Instant,
+    ) -> Result<Box<dyn Connection>> {
+        let addr = parse_address(address)?;
+        let peer = Some(hello.to);
+        let mut stream = connect_with_retry(addr, hello, deadline)?;
+        configure(&stream, self.options).map_err(|e| Error::io(peer, "configure socket", &e))?;
+        stream
+            .set_write_timeout(Some(remaining(deadline)))
+            .and_then(|_| stream.write_all(&wire::encode_hello(&hello)))
+            .map_err(|e| Error::io(peer, "send hello", &e))?;
+        let mut ack = [0u8; ACK_LEN];
+        stream
+            .set_read_timeout(Some(remaining(deadline)))
+            .and_then(|_| stream.read_exact(&mut ack))
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::UnexpectedEof => Error::Invalid(format!(
+                    "peer rank {} at {addr} refused our connection (another job's listener?)",
+                    hello.to
+                )),
+                _ => Error::io(peer, "wait for hello acknowledgement", &e),
+            })?;
+        match wire::decode_ack(&ack) {
+            Some(r) if r == hello.to => {}
+            other => {
+                return Err(Error::Invalid(format!(
+                    "expected peer rank {} at {addr}, found {other:?}",
+                    hello.to
+                )))
+            }
+        }
+        Ok(Box::new(TcpConnection::new(stream, hello.to)?))
+    }
+
+    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
+        // Sockets read and write any memory: nothing to pin.
+        Ok(MemRegion::new(addr, len, Box::new(())))
+    }
+}
+
+fn parse_address(blob: &[u8]) -> Result<SocketAddr> {
+    std::str::from_utf8(blob)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| {
+            Error::Invalid(format!(
+                "bad TCP address blob {:?}",
+                String::from_utf8_lossy(blob)
+            ))
+        })
+}
+
+/// Connects, retrying refusals until `deadline` (a listener's backlog can
+/// overflow when many ranks connect at once).
+fn connect_with_retry(addr: SocketAddr, hello: Hello, deadline: Instant) -> Result<TcpStream> {
+    loop {
+        match TcpStream::connect_timeout(&addr, remaining(deadline)) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() + Duration::from_millis(20) < deadline => {
+                tracing::debug!(peer = hello.to, %addr, "connect failed ({e}), retrying");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(Error::io(Some(hello.to), "connect", &e)),
+        }
+    }
+}
+
+/// Time left before `deadline`, at least a millisecond (zero means "forever"
+/// to socket timeouts).
+fn remaining(deadline: Instant) -> Duration {
+    deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1))
+}
+
+fn configure(stream: &TcpStream, options: TcpOptions) -> std::io::Result<()> {
+    stream.set_nodelay(true)?;
+    if let Some(size) = options.socket_buffer {
+        let s = SockRef::from(stream);
+        s.set_send_buffer_size(size)?;
+        s.set_recv_buffer_size(size)?;
+    }
+    Ok(())
+}
