@@ -1,1 +1,214 @@
-fn main() {}
+//! collbench: measures collectives the way nccl-tests does. With `-n N` it
+//! starts N ranks of itself on this host; under a launcher (mpirun,
+//! torchrun-style variables) each process is one rank.
+
+mod bench;
+mod cli;
+mod data;
+mod report;
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Parser;
+use collectives::algo::ALGORITHMS;
+use collectives::bootstrap::{launch, Bootstrap, LAUNCHER_VAR};
+use collectives::{Collective, Communicator, Config};
+
+use bench::{human_bytes, Bench};
+use cli::{BenchArgs, Cli, Command};
+
+/// collbench's own default timeout; the library's (300 s) suits training jobs
+/// whose ranks may be busy elsewhere, a benchmark should fail faster.
+const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let (collective, args) = match cli.command {
+        Command::Allreduce(a) => (Collective::AllReduce, a),
+        Command::Alltoall(a) => (Collective::AllToAll, a),
+        Command::Algorithms => {
+            for a in ALGORITHMS {
+                println!("{:<10} {:<14} {}", a.collective.name(), a.name, a.summary);
+            }
+            return ExitCode::SUCCESS;
+        }
+    };
+    collectives::log::init();
+    let result = match args.nranks {
+        Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
+            launch_local(n, &args)
+        }
+        _ => run_rank(collective, &args),
+    };
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::from(1),
+        Err(e) => {
+            eprintln!("collbench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Whether a launcher already made this process one rank of a job.
+fn under_launcher() -> bool {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .any(|v| std::env::var_os(v).is_some())
+}
+
+/// Starts `n` ranks of this very command and waits for them.
+fn launch_local(n: usize, args: &BenchArgs) -> Result<bool, String> {
+    if n == 0 {
+        return Err("-n must be at least 1".into());
+    }
+    let job = launch::Launch {
+        nranks: n,
+        program: std::env::current_exe()
+            .map_err(|e| format!("cannot find my own executable: {e}"))?,
+        args: std::env::args_os().skip(1).collect(),
+        env: Vec::new(),
+        timeout: timeout(args)?,
+    };
+    let outcome = launch::run(&job)?;
+    for f in &outcome.failures {
+        eprintln!("collbench: {f}");
+    }
+    Ok(outcome.success())
+}
+
+fn timeout(args: &BenchArgs) -> Result<Duration, String> {
+    Ok(match args.timeout {
+        Some(t) => t,
+        None if std::env::var("COLL_TIMEOUT").is_ok() => Config::from_env()?.timeout,
+        None => DEFAULT_TIMEOUT,
+    })
+}
+
+/// The library settings: environment first, flags over it.
+fn config(args: &BenchArgs) -> Result<Config, String> {
+    let mut c = Config::from_env()?;
+    c.timeout = timeout(args)?;
+    if let Some(t) = &args.transport {
+        c.transport = t.clone();
+    }
+    if let Some(a) = &args.algo {
+        c.algo = collectives::config_algo(a);
+    }
+    if let Some(chunk) = args.chunk {
+        c.chunk_bytes = chunk as usize;
+    }
+    if let Some(d) = args.depth {
+        c.depth = d;
+    }
+    c.validate()?;
+    Ok(c)
+}
+
+/// This process is one rank: join the job, sweep, report (rank 0).
+fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
+    let sizes = args.sizes()?;
+    let boot = Bootstrap::from_env()?;
+    if let Some(n) = args.nranks.filter(|n| *n != boot.size) {
+        return Err(format!(
+            "-n {n} but the launcher started {} ranks ({})",
+            boot.size, boot.source
+        ));
+    }
+    let launcher = boot.source;
+    let mut comm = Communicator::init(boot, config(args)?).map_err(|e| e.to_string())?;
+    let algo = comm.algorithm(collective).map_err(|e| e.to_string())?.name;
+    let max_bytes = *sizes.iter().max().unwrap();
+    let mut bench = Bench::new(&mut comm, args, collective, max_bytes);
+    let rank0 = bench.comm.rank() == 0;
+    let json_to_stdout = args.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
+    let mut out: Box<dyn Write> = match (rank0, json_to_stdout) {
+        (false, _) => Box::new(std::io::sink()),
+        (true, false) => Box::new(std::io::stdout()),
+        (true, true) => Box::new(std::io::stderr()),
+    };
+    let io = |e: std::io::Error| e.to_string();
+    if rank0 {
+        print_preamble(&mut *out, &bench, launcher, algo).map_err(io)?;
+        report::header(&mut *out).map_err(io)?;
+    }
+    let mut rows = Vec::with_capacity(sizes.len());
+    for size in sizes {
+        let row = bench.row(size).map_err(|e| e.to_string())?;
+        report::row(&mut *out, &row).map_err(io)?;
+        out.flush().map_err(io)?;
+        rows.push(row);
+    }
+    let mut peak = [bench::peak_rss()];
+    bench
+        .comm
+        .all_reduce_in_place(&mut peak, collectives::ReduceOp::Max)
+        .map_err(|e| e.to_string())?;
+    let summary = report::Summary::of(&rows, peak[0]);
+    if rank0 {
+        report::footer(&mut *out, &summary, max_bytes).map_err(io)?;
+        if let Some(path) = &args.json {
+            let config = bench.comm.config();
+            let doc = report::Document {
+                collective: collective.name(),
+                nranks: bench.comm.size(),
+                launcher,
+                transport: bench.comm.transport_name(),
+                algorithm: algo,
+                chunk_bytes: config.chunk_bytes,
+                depth: config.depth,
+                check: args.check == 1,
+                rows: &rows,
+                summary: &summary,
+            };
+            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+            if json_to_stdout {
+                println!("{text}");
+            } else {
+                std::fs::write(path, text + "\n")
+                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+            }
+        }
+    }
+    Ok(summary.wrong == 0)
+}
+
+fn print_preamble(
+    out: &mut dyn Write,
+    bench: &Bench,
+    launcher: &str,
+    algo: &str,
+) -> std::io::Result<()> {
+    let (comm, args) = (&*bench.comm, bench.args);
+    let c = comm.config();
+    writeln!(
+        out,
+        "# collbench {}: {} ranks ({launcher}), transport {}, algorithm {algo}, chunk {} x {} in flight, timeout {}s",
+        bench.collective.name(),
+        comm.size(),
+        comm.transport_name(),
+        human_bytes(c.chunk_bytes as u64),
+        c.depth,
+        c.timeout.as_secs_f64()
+    )?;
+    let (iters, warmup) = args.iterations(args.minbytes.min(args.size.unwrap_or(u64::MAX)));
+    writeln!(
+        out,
+        "# datatype {}, check {}, iterations {iters} (warmup {warmup}) at the smallest size",
+        bench::describe_dtype(args.dtype),
+        if args.check == 1 { "on" } else { "off" },
+    )?;
+    let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
+    for r in 0..comm.size() {
+        match hosts.iter_mut().find(|(h, _)| *h == comm.hostname(r)) {
+            Some((_, ranks)) => ranks.push(r),
+            None => hosts.push((comm.hostname(r), vec![r])),
+        }
+    }
+    for (h, ranks) in hosts {
+        writeln!(out, "#   host {h}: ranks {ranks:?}")?;
+    }
+    Ok(())
+}

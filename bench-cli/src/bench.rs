@@ -1,0 +1,202 @@
+//! One rank's part of a benchmark run: the sweep, timing and checking.
+
+use std::io::IsTerminal;
+use std::time::{Duration, Instant};
+
+use collectives::{Buffers, Collective, Communicator, DataType, ReduceOp};
+
+use crate::cli::BenchArgs;
+use crate::data;
+use crate::report::{Mode, Row};
+
+/// The benchmark state of one rank.
+pub struct Bench<'a> {
+    pub comm: &'a mut Communicator,
+    pub args: &'a BenchArgs,
+    pub collective: Collective,
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    started: Instant,
+}
+
+impl<'a> Bench<'a> {
+    /// Allocates both buffers for the largest size once; every size reuses them.
+    pub fn new(
+        comm: &'a mut Communicator,
+        args: &'a BenchArgs,
+        collective: Collective,
+        max_bytes: u64,
+    ) -> Self {
+        let words = (max_bytes as usize).div_ceil(8);
+        Bench {
+            comm,
+            args,
+            collective,
+            send: vec![0; words],
+            recv: vec![0; words],
+            started: Instant::now(),
+        }
+    }
+
+    /// Elements per rank for a requested size (alltoall: a multiple of the rank count).
+    pub fn count(&self, bytes: u64) -> usize {
+        let count = bytes as usize / self.args.dtype.size();
+        match self.collective {
+            Collective::AllToAll => count / self.comm.size() * self.comm.size(),
+            _ => count,
+        }
+    }
+
+    /// Measures one size, out of place then in place.
+    pub fn row(&mut self, requested: u64) -> Result<Row, collectives::Error> {
+        let count = self.count(requested);
+        let bytes = count * self.args.dtype.size();
+        let out_of_place = self.measure(bytes, false)?;
+        let in_place = self.measure(bytes, true)?;
+        Ok(Row {
+            bytes: bytes as u64,
+            count: count as u64,
+            dtype: self.args.dtype,
+            op: (self.collective == Collective::AllReduce).then_some(self.args.op),
+            out_of_place,
+            in_place,
+        })
+    }
+
+    fn measure(&mut self, bytes: usize, in_place: bool) -> Result<Mode, collectives::Error> {
+        let (iters, warmup) = self.args.iterations(bytes as u64);
+        let wrong = if self.args.check == 1 {
+            self.check(bytes, in_place)?
+        } else {
+            0
+        };
+        for _ in 0..warmup {
+            self.call(bytes, in_place)?;
+        }
+        self.comm.barrier()?;
+        let t0 = Instant::now();
+        for i in 0..iters {
+            self.call(bytes, in_place)?;
+            self.progress(bytes, in_place, i + 1, iters, t0.elapsed());
+        }
+        let mut time = [t0.elapsed().as_secs_f64() / iters as f64];
+        self.comm.all_reduce_in_place(&mut time, ReduceOp::Max)?;
+        let mut wrong = [wrong];
+        self.comm.all_reduce_in_place(&mut wrong, ReduceOp::Sum)?;
+        Ok(Mode::new(
+            bytes as u64,
+            time[0],
+            self.bus_factor(),
+            wrong[0],
+        ))
+    }
+
+    /// Fills the inputs with this rank's pattern, runs once, counts wrong elements.
+    fn check(&mut self, bytes: usize, in_place: bool) -> Result<u64, collectives::Error> {
+        let (rank, n, dtype, op) = (
+            self.comm.rank(),
+            self.comm.size(),
+            self.args.dtype,
+            self.args.op,
+        );
+        let input = if in_place {
+            &mut self.recv
+        } else {
+            &mut self.send
+        };
+        let input = &mut bytemuck::cast_slice_mut(input)[..bytes];
+        match self.collective {
+            Collective::AllToAll => data::fill_alltoall(input, dtype, rank),
+            _ => data::fill_allreduce(input, dtype, op, rank),
+        }
+        self.call(bytes, in_place)?;
+        let result = &bytemuck::cast_slice(&self.recv)[..bytes];
+        Ok(match self.collective {
+            Collective::AllToAll => data::check_alltoall(result, dtype, rank, n),
+            _ => data::check_allreduce(result, dtype, op, n),
+        })
+    }
+
+    fn call(&mut self, bytes: usize, in_place: bool) -> Result<(), collectives::Error> {
+        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..bytes];
+        let bufs = if in_place {
+            Buffers::InPlace(recv)
+        } else {
+            Buffers::OutOfPlace {
+                send: &bytemuck::cast_slice(&self.send)[..bytes],
+                recv,
+            }
+        };
+        match self.collective {
+            Collective::AllReduce => {
+                self.comm
+                    .all_reduce_bytes(bufs, self.args.dtype, self.args.op)
+            }
+            Collective::AllToAll => self.comm.all_to_all_bytes(bufs, self.args.dtype),
+            Collective::Barrier => self.comm.barrier(),
+        }
+    }
+
+    /// nccl-tests' bus bandwidth factor.
+    fn bus_factor(&self) -> f64 {
+        let n = self.comm.size() as f64;
+        match self.collective {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::AllToAll => (n - 1.0) / n,
+            Collective::Barrier => 1.0,
+        }
+    }
+
+    /// A line on stderr (rank 0) when iterations are slow enough to wonder.
+    fn progress(&self, bytes: usize, in_place: bool, done: usize, iters: usize, elapsed: Duration) {
+        let each = elapsed / done as u32;
+        if self.comm.rank() != 0 || each < Duration::from_millis(500) {
+            return;
+        }
+        let mode = if in_place { "in-place" } else { "out-of-place" };
+        let line = format!(
+            "collbench: {} {mode}: iteration {done}/{iters}, {:.2}s each, {:.0}s since start",
+            human_bytes(bytes as u64),
+            each.as_secs_f64(),
+            self.started.elapsed().as_secs_f64()
+        );
+        if std::io::stderr().is_terminal() {
+            eprint!("\r{line}\x1b[K{}", if done == iters { "\n" } else { "" });
+        } else {
+            eprintln!("{line}");
+        }
+    }
+}
+
+/// `1 GiB`, `256 MiB`, `8 B`.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// This process's peak resident memory (VmHWM), in bytes.
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The datatype's element size, for the header.
+pub fn describe_dtype(d: DataType) -> String {
+    format!("{} ({} B)", d.name(), d.size())
+}

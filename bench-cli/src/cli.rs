@@ -1,0 +1,166 @@
+//! Command-line interface.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use collectives::{parse_seconds, parse_size, DataType, ReduceOp};
+
+const EXAMPLES: &str = "\
+Examples:
+  collbench allreduce -n 8 --size 1G                 8 local ranks, one 1 GiB AllReduce size
+  collbench allreduce -n 4 -b 8 -e 256M -f 4 -c 1    sweep 8 B..256 MiB, x4 per step, checked
+  collbench alltoall -n 4 -b 1K -e 64M -d bf16 --json out.json
+  mpirun -n 4 collbench allreduce -b 8 -e 128M       one rank per MPI process (MASTER_ADDR/PORT set)
+  RANK=0 WORLD_SIZE=2 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 collbench allreduce
+
+Columns are those of nccl-tests: time is the mean per call over the timed
+iterations, the maximum over ranks; algbw = size / time; busbw = algbw x the
+collective's factor (allreduce 2(n-1)/n, alltoall (n-1)/n), comparable to the
+link bandwidth. #wrong counts result elements that differ from the expected
+value, summed over ranks; the exit status is non-zero if any is wrong or any
+rank fails.
+
+Environment: COLL_DEBUG=INFO logs the transport, algorithm, chunk and peers;
+COLL_TIMEOUT, COLL_CHUNK, COLL_DEPTH, COLL_ALGO, COLL_TRANSPORT set defaults
+that the flags override.";
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "collbench",
+    version,
+    about = "Measure collective bandwidth the way nccl-tests does",
+    after_help = EXAMPLES
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// AllReduce: every rank ends with the reduction of every rank's buffer
+    #[command(after_help = EXAMPLES)]
+    Allreduce(BenchArgs),
+    /// AllToAll: rank i's block j goes to rank j's block i
+    #[command(after_help = EXAMPLES)]
+    Alltoall(BenchArgs),
+    /// List the registered algorithms (the names --algo accepts)
+    Algorithms,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchArgs {
+    /// Ranks to start on this host. Leave out when a launcher (mpirun,
+    /// torchrun, a scheduler) starts one collbench per rank.
+    #[arg(short = 'n', long = "nranks")]
+    pub nranks: Option<usize>,
+
+    /// Smallest size in bytes (K, M, G suffixes: binary multiples)
+    #[arg(short = 'b', long = "minbytes", default_value = "32M", value_parser = size)]
+    pub minbytes: u64,
+
+    /// Largest size in bytes
+    #[arg(short = 'e', long = "maxbytes", default_value = "32M", value_parser = size)]
+    pub maxbytes: u64,
+
+    /// Multiply the size by this between steps of the sweep
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 2.0)]
+    pub stepfactor: f64,
+
+    /// Run one size only (sets -b and -e)
+    #[arg(long, value_parser = size)]
+    pub size: Option<u64>,
+
+    /// Timed iterations per size [default: 20, fewer above 64 MiB so a size
+    /// moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1 GiB]
+    #[arg(long)]
+    pub iters: Option<usize>,
+
+    /// Untimed iterations before timing [default: 5, 1 above 64 MiB]
+    #[arg(short = 'w', long)]
+    pub warmup: Option<usize>,
+
+    /// Check results against the expected values (1) or not (0)
+    #[arg(short = 'c', long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
+    pub check: u8,
+
+    /// Element type: float, double, half, bfloat16, int8, uint8, int32,
+    /// uint32, int64, uint64 (or f32, bf16, i8, ...)
+    #[arg(short = 'd', long, default_value = "float")]
+    pub dtype: DataType,
+
+    /// Reduction (allreduce): sum, prod, min, max, avg
+    #[arg(short = 'o', long, default_value = "sum")]
+    pub op: ReduceOp,
+
+    /// Transport between ranks: auto or tcp [default: auto, or COLL_TRANSPORT]
+    #[arg(long)]
+    pub transport: Option<String>,
+
+    /// Force an algorithm (see `collbench algorithms`) [default: the selector's choice]
+    #[arg(long)]
+    pub algo: Option<String>,
+
+    /// Pipeline chunk size in bytes [default: 1M, or COLL_CHUNK]
+    #[arg(long, value_parser = size)]
+    pub chunk: Option<u64>,
+
+    /// Chunks in flight per peer and direction [default: 4, or COLL_DEPTH]
+    #[arg(long)]
+    pub depth: Option<usize>,
+
+    /// Seconds any wait may go without progress before the run fails with
+    /// the stalled peer named [default: 60, or COLL_TIMEOUT]
+    #[arg(long, value_parser = secs)]
+    pub timeout: Option<Duration>,
+
+    /// Also write the results as JSON to this file ('-': stdout, the table then goes to stderr)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+fn size(s: &str) -> Result<u64, String> {
+    parse_size(s)
+}
+
+fn secs(s: &str) -> Result<Duration, String> {
+    parse_seconds(s)
+}
+
+impl BenchArgs {
+    /// The sizes of the sweep, in bytes.
+    pub fn sizes(&self) -> Result<Vec<u64>, String> {
+        let (lo, hi) = match self.size {
+            Some(s) => (s, s),
+            None => (self.minbytes, self.maxbytes),
+        };
+        if lo > hi {
+            return Err(format!("minbytes {lo} is above maxbytes {hi}"));
+        }
+        if self.stepfactor <= 1.0 && lo != hi {
+            return Err("the step factor must be above 1".into());
+        }
+        let mut sizes = vec![lo];
+        while let Some(&last) = sizes.last() {
+            let next = ((last.max(1)) as f64 * self.stepfactor).round() as u64;
+            if next > hi || lo == hi {
+                break;
+            }
+            sizes.push(next.max(last + 1));
+        }
+        Ok(sizes)
+    }
+
+    /// Timed and warm-up iterations for a size.
+    pub fn iterations(&self, bytes: u64) -> (usize, usize) {
+        const BIG: u64 = 64 << 20;
+        let iters = self.iters.unwrap_or(if bytes <= BIG {
+            20
+        } else {
+            (20 * BIG).div_ceil(bytes).max(2) as usize
+        });
+        let warmup = self.warmup.unwrap_or(if bytes <= BIG { 5 } else { 1 });
+        (iters.max(1), warmup)
+    }
+}

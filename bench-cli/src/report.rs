@@ -1,0 +1,157 @@
+//! The nccl-tests-style table and the JSON document.
+
+use std::io::Write;
+
+use collectives::{DataType, ReduceOp};
+use serde::Serialize;
+
+/// One measurement: a size in one mode (out-of-place or in-place).
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Mode {
+    pub time_us: f64,
+    pub algbw_gbs: f64,
+    pub busbw_gbs: f64,
+    pub wrong: u64,
+}
+
+impl Mode {
+    pub fn new(bytes: u64, seconds: f64, bus_factor: f64, wrong: u64) -> Self {
+        let algbw = if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        };
+        Mode {
+            time_us: seconds * 1e6,
+            algbw_gbs: algbw,
+            busbw_gbs: algbw * bus_factor,
+            wrong,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Row {
+    pub bytes: u64,
+    pub count: u64,
+    #[serde(serialize_with = "dtype_name")]
+    pub dtype: DataType,
+    #[serde(serialize_with = "op_name")]
+    pub op: Option<ReduceOp>,
+    pub out_of_place: Mode,
+    pub in_place: Mode,
+}
+
+fn dtype_name<S: serde::Serializer>(d: &DataType, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(d.name())
+}
+
+fn op_name<S: serde::Serializer>(o: &Option<ReduceOp>, s: S) -> Result<S::Ok, S::Error> {
+    match o {
+        Some(o) => s.serialize_str(o.name()),
+        None => s.serialize_none(),
+    }
+}
+
+pub fn header(out: &mut dyn Write) -> std::io::Result<()> {
+    writeln!(out, "#")?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:^34}  {:^34}",
+        "", "", "", "", "out-of-place", "in-place"
+    )?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>10} {:>7} {:>7} {:>6}  {:>10} {:>7} {:>7} {:>6}",
+        "size",
+        "count",
+        "type",
+        "redop",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong",
+        "time",
+        "algbw",
+        "busbw",
+        "#wrong"
+    )?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:>8}  {:>6}  {:>10} {:>7} {:>7} {:>6}  {:>10} {:>7} {:>7} {:>6}",
+        "(B)", "(elements)", "", "", "(us)", "(GB/s)", "(GB/s)", "", "(us)", "(GB/s)", "(GB/s)", ""
+    )
+}
+
+pub fn row(out: &mut dyn Write, r: &Row) -> std::io::Result<()> {
+    let m = |m: &Mode| {
+        format!(
+            "{:>10.2} {:>7.2} {:>7.2} {:>6}",
+            m.time_us, m.algbw_gbs, m.busbw_gbs, m.wrong
+        )
+    };
+    writeln!(
+        out,
+        "  {:>10}  {:>12}  {:>8}  {:>6}  {}  {}",
+        r.bytes,
+        r.count,
+        r.dtype.name(),
+        r.op.map_or("none", |o| o.name()),
+        m(&r.out_of_place),
+        m(&r.in_place)
+    )
+}
+
+/// Totals printed under the table and stored in the JSON.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub wrong: u64,
+    pub avg_busbw_gbs: f64,
+    pub peak_rss_bytes_max: u64,
+}
+
+impl Summary {
+    pub fn of(rows: &[Row], peak_rss: u64) -> Self {
+        let modes: Vec<&Mode> = rows
+            .iter()
+            .flat_map(|r| [&r.out_of_place, &r.in_place])
+            .collect();
+        Summary {
+            wrong: modes.iter().map(|m| m.wrong).sum(),
+            avg_busbw_gbs: if modes.is_empty() {
+                0.0
+            } else {
+                modes.iter().map(|m| m.busbw_gbs).sum::<f64>() / modes.len() as f64
+            },
+            peak_rss_bytes_max: peak_rss,
+        }
+    }
+}
+
+pub fn footer(out: &mut dyn Write, s: &Summary, buffers: u64) -> std::io::Result<()> {
+    let verdict = if s.wrong == 0 { "OK" } else { "FAILED" };
+    writeln!(out, "# Out of bounds values : {} {verdict}", s.wrong)?;
+    writeln!(out, "# Avg bus bandwidth    : {:.4}", s.avg_busbw_gbs)?;
+    writeln!(
+        out,
+        "# Peak memory per rank : {} (largest rank's VmHWM; its two buffers are {} each)",
+        crate::bench::human_bytes(s.peak_rss_bytes_max),
+        crate::bench::human_bytes(buffers)
+    )?;
+    writeln!(out, "#")
+}
+
+/// The whole run, as `--json` writes it.
+#[derive(Serialize)]
+pub struct Document<'a> {
+    pub collective: &'a str,
+    pub nranks: usize,
+    pub launcher: &'a str,
+    pub transport: &'a str,
+    pub algorithm: &'a str,
+    pub chunk_bytes: usize,
+    pub depth: usize,
+    pub check: bool,
+    pub rows: &'a [Row],
+    pub summary: &'a Summary,
+}

@@ -1,0 +1,93 @@
+//! The algorithms, one file each, registered by name in [`ALGORITHMS`]: the
+//! table that the selector, `Config::algo` / `COLL_ALGO` and `collbench
+//! --algo` all read. An algorithm only builds a [`Schedule`]; it never sees a
+//! transport.
+
+mod dissemination;
+mod pairwise;
+mod ring;
+
+use crate::schedule::{Buf, Schedule, Span};
+use crate::Collective;
+
+/// What an algorithm needs to know about the call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub rank: usize,
+    pub size: usize,
+    /// Elements in each rank's buffer.
+    pub count: usize,
+    /// Bytes per element.
+    pub elem: usize,
+    /// Bytes per pipelined chunk, a multiple of `elem`.
+    pub chunk: usize,
+    pub in_place: bool,
+}
+
+impl Layout {
+    /// The buffer a rank's own contribution is read from.
+    pub fn input(&self) -> Buf {
+        if self.in_place {
+            Buf::Output
+        } else {
+            Buf::Input
+        }
+    }
+
+    /// Byte range `[offset, offset+len)` of block `i` when `count` elements
+    /// are cut into `size` blocks as evenly as possible (the first
+    /// `count % size` blocks get one element more).
+    pub fn block(&self, i: usize) -> (usize, usize) {
+        let (base, extra) = (self.count / self.size, self.count % self.size);
+        let start = i * base + i.min(extra);
+        let len = base + usize::from(i < extra);
+        (start * self.elem, len * self.elem)
+    }
+
+    /// `[offset, offset+len)` cut into chunk-sized spans of `buf`.
+    pub fn chunks(&self, buf: Buf, (offset, len): (usize, usize)) -> impl Iterator<Item = Span> {
+        let chunk = self.chunk;
+        (0..len.div_ceil(chunk)).map(move |k| Span {
+            buf,
+            offset: offset + k * chunk,
+            len: chunk.min(len - k * chunk),
+        })
+    }
+}
+
+/// A registered algorithm.
+pub struct Algorithm {
+    pub name: &'static str,
+    pub collective: Collective,
+    /// One line for `--help` and logs.
+    pub summary: &'static str,
+    pub(crate) build: fn(&Layout, &mut Schedule),
+}
+
+/// Every algorithm, by collective; the first of each collective is its default.
+pub static ALGORITHMS: &[Algorithm] =
+    &[ring::ALLREDUCE, pairwise::ALLTOALL, dissemination::BARRIER];
+
+/// The algorithm named `name` for `collective`.
+pub fn find(collective: Collective, name: &str) -> Option<&'static Algorithm> {
+    ALGORITHMS
+        .iter()
+        .find(|a| a.collective == collective && a.name == name)
+}
+
+/// Names of the algorithms for `collective`, default first.
+pub fn names(collective: Collective) -> Vec<&'static str> {
+    ALGORITHMS
+        .iter()
+        .filter(|a| a.collective == collective)
+        .map(|a| a.name)
+        .collect()
+}
+
+/// The default algorithm for `collective`.
+pub(crate) fn default_for(collective: Collective) -> &'static Algorithm {
+    ALGORITHMS
+        .iter()
+        .find(|a| a.collective == collective)
+        .expect("every collective has an algorithm")
+}

@@ -1,0 +1,145 @@
+//! The local launcher: runs N ranks of a program on this host, hosts their
+//! rendezvous, and makes sure none outlives the job.
+
+use std::ffi::OsString;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+use super::rendezvous::Server;
+use super::{random_token, LAUNCHER_VAR, TOKEN_VAR};
+
+/// What to launch.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub nranks: usize,
+    pub program: PathBuf,
+    pub args: Vec<OsString>,
+    /// Extra environment for every rank.
+    pub env: Vec<(String, String)>,
+    /// The ranks' own timeout: after a rank fails, the others get this long
+    /// (plus a margin) to notice and exit before they are killed.
+    pub timeout: Duration,
+}
+
+/// How a finished job went: one line per rank that failed, empty if none did.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    pub failures: Vec<String>,
+}
+
+impl Outcome {
+    pub fn success(&self) -> bool {
+        self.failures.is_empty()
+    }
+}
+
+/// Starts the ranks and waits for all of them. A rank that fails starts a
+/// grace period after which the survivors are killed; every child is reaped
+/// before this returns, and each dies with us if we die (PR_SET_PDEATHSIG).
+pub fn run(job: &Launch) -> Result<Outcome, String> {
+    let server = Server::bind("127.0.0.1:0".parse().unwrap())?;
+    let port = server.local_addr().port();
+    let token = random_token();
+    let rendezvous = server.spawn(job.nranks, token, Instant::now() + job.timeout);
+    let mut children = Vec::with_capacity(job.nranks);
+    for rank in 0..job.nranks {
+        match spawn_rank(job, rank, port, token) {
+            Ok(c) => children.push(Some(c)),
+            Err(e) => {
+                kill_all(&mut children);
+                return Err(format!(
+                    "cannot start rank {rank} ({}): {e}",
+                    job.program.display()
+                ));
+            }
+        }
+    }
+    let outcome = supervise(&mut children, job.timeout + Duration::from_secs(10));
+    if let Ok(Err(e)) = rendezvous.join() {
+        tracing::debug!("rendezvous: {e}");
+    }
+    Ok(outcome)
+}
+
+fn spawn_rank(job: &Launch, rank: usize, port: u16, token: u128) -> std::io::Result<Child> {
+    let mut cmd = Command::new(&job.program);
+    cmd.args(&job.args)
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", job.nranks.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", job.nranks.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env(TOKEN_VAR, format!("{token:032x}"))
+        .env(LAUNCHER_VAR, "1")
+        .envs(job.env.iter().map(|(k, v)| (k, v)));
+    // SAFETY: the closure runs in the forked child before exec and makes one
+    // async-signal-safe system call (prctl).
+    unsafe {
+        cmd.pre_exec(|| {
+            rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+                .map_err(Into::into)
+        });
+    }
+    cmd.spawn()
+}
+
+/// Waits for every child; once one fails, the rest get `grace` to exit.
+fn supervise(children: &mut [Option<Child>], grace: Duration) -> Outcome {
+    let mut outcome = Outcome::default();
+    let mut failed_at: Option<Instant> = None;
+    while children.iter().any(Option::is_some) {
+        for (rank, slot) in children.iter_mut().enumerate() {
+            let Some(child) = slot else { continue };
+            if let Ok(Some(status)) = child.try_wait() {
+                if !status.success() {
+                    outcome.failures.push(describe(rank, status));
+                    failed_at.get_or_insert_with(Instant::now);
+                }
+                *slot = None;
+            }
+        }
+        if failed_at.is_some_and(|t| t.elapsed() > grace) {
+            for (rank, slot) in children.iter().enumerate() {
+                if slot.is_some() {
+                    outcome.failures.push(format!(
+                        "rank {rank} was still running {}s after the first failure and was killed",
+                        grace.as_secs()
+                    ));
+                }
+            }
+            kill_all(children);
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    outcome
+}
+
+fn kill_all(children: &mut [Option<Child>]) {
+    for child in children.iter_mut().flatten() {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    children.iter_mut().for_each(|c| *c = None);
+}
+
+fn describe(rank: usize, status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("rank {rank} exited with status {code}"),
+        (None, Some(sig)) => format!("rank {rank} was killed by signal {sig}{}", signal_name(sig)),
+        _ => format!("rank {rank} ended: {status}"),
+    }
+}
+
+fn signal_name(sig: i32) -> &'static str {
+    match sig {
+        6 => " (SIGABRT)",
+        9 => " (SIGKILL)",
+        11 => " (SIGSEGV)",
+        15 => " (SIGTERM)",
+        _ => "",
+    }
+}

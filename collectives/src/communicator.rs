@@ -1,0 +1,548 @@
+//! The communicator: a rank's connections to every other rank of the job,
+//! and the collective calls on them.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::Arc;
+use std::time::Instant;
+
+use transport::tcp::TcpTransport;
+use transport::{Connection, Hello, Listener, MemRegion, Rank, RegistrationCache, Transport};
+
+use crate::algo::{self, Algorithm, Layout};
+use crate::bootstrap::rendezvous::{self, PeerInfo, Table};
+use crate::bootstrap::{host, Bootstrap};
+use crate::descriptor::{Collective, OpDesc};
+use crate::schedule::{Exec, Region, Schedule, Staging};
+use crate::{Config, DataType, Element, Error, ReduceOp, Result};
+
+/// The caller's buffers for one call, as bytes.
+pub enum Buffers<'a> {
+    /// The result overwrites the input.
+    InPlace(&'a mut [u8]),
+    OutOfPlace {
+        send: &'a [u8],
+        recv: &'a mut [u8],
+    },
+}
+
+/// One rank's view of a job: its peers, its connections, its settings.
+/// Collective calls must be made by every rank, in the same order, with
+/// matching counts, datatypes and reductions; a mismatch is reported, not
+/// mis-reduced. After a failed call the communicator is aborted.
+pub struct Communicator {
+    rank: Rank,
+    size: usize,
+    peers: Vec<PeerInfo>,
+    local_ranks: Vec<Rank>,
+    transport: Arc<dyn Transport>,
+    conns: Vec<Option<Box<dyn Connection>>>,
+    staging: Staging,
+    registrations: RegistrationCache,
+    config: Config,
+    seq: u32,
+    aborted: Option<String>,
+}
+
+impl Communicator {
+    /// Joins the job described by the environment (see [`Bootstrap::from_env`]
+    /// and [`Config::from_env`]).
+    pub fn from_env() -> Result<Self> {
+        let boot = Bootstrap::from_env().map_err(|message| Error::Bootstrap {
+            rank: env_rank(),
+            message,
+        })?;
+        let config = Config::from_env().map_err(|message| Error::Bootstrap {
+            rank: boot.rank,
+            message,
+        })?;
+        Self::init(boot, config)
+    }
+
+    /// Joins the job: rendezvous, then a connection to every other rank.
+    pub fn init(boot: Bootstrap, config: Config) -> Result<Self> {
+        crate::log::init();
+        let rank = boot.rank;
+        let fail = |message: String| Error::Bootstrap { rank, message };
+        config.validate().map_err(fail)?;
+        let deadline = Instant::now() + config.timeout;
+        let bind_ip = boot
+            .rendezvous
+            .map_or(IpAddr::from([127, 0, 0, 1]), local_ip_towards);
+        let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new(bind_ip, config.tcp));
+        let listener = transport.listen().map_err(|e| fail(e.to_string()))?;
+        let (hostname, host_id) = host::identity();
+        let me = PeerInfo {
+            rank,
+            hostname,
+            host_id,
+            pid: std::process::id(),
+            addresses: BTreeMap::from([(
+                transport.name().to_string(),
+                rendezvous::to_hex(&listener.address()),
+            )]),
+        };
+        let table = match boot.rendezvous {
+            None => Table {
+                session: 0,
+                peers: vec![me],
+            },
+            Some(addr) => meet(&boot, addr, me, deadline).map_err(fail)?,
+        };
+        let conns = connect_mesh(&*transport, listener, rank, &table, deadline).map_err(fail)?;
+        let staging = Staging::new(&*transport, config.chunk_bytes, config.depth)
+            .map_err(|e| fail(e.to_string()))?;
+        let me = &table.peers[rank];
+        let local_ranks: Vec<Rank> = table
+            .peers
+            .iter()
+            .filter(|p| p.host_id == me.host_id)
+            .map(|p| p.rank)
+            .collect();
+        let local_rank = local_ranks
+            .iter()
+            .position(|r| *r == rank)
+            .expect("we are on our host");
+        if boot.local_rank.is_some_and(|l| l != local_rank) {
+            tracing::warn!(
+                rank,
+                "launcher says local rank {:?}, the rendezvous says {local_rank}",
+                boot.local_rank
+            );
+        }
+        tracing::info!(
+            rank,
+            size = boot.size,
+            source = boot.source,
+            host = %me.hostname,
+            local_ranks = ?local_ranks,
+            transport = transport.name(),
+            chunk = config.chunk_bytes,
+            depth = config.depth,
+            timeout_s = config.timeout.as_secs_f64(),
+            "communicator ready"
+        );
+        Ok(Communicator {
+            rank,
+            size: boot.size,
+            peers: table.peers,
+            local_ranks,
+            transport,
+            conns,
+            staging,
+            registrations: RegistrationCache::new(),
+            config,
+            seq: 0,
+            aborted: None,
+        })
+    }
+
+    pub fn rank(&self) -> Rank {
+        self.rank
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Ranks on this rank's host, ascending (this rank included).
+    pub fn local_ranks(&self) -> &[Rank] {
+        &self.local_ranks
+    }
+
+    /// This rank's index among [`local_ranks`](Self::local_ranks).
+    pub fn local_rank(&self) -> usize {
+        self.local_ranks
+            .iter()
+            .position(|r| *r == self.rank)
+            .unwrap()
+    }
+
+    /// Hostname of `rank`.
+    pub fn hostname(&self, rank: Rank) -> &str {
+        &self.peers[rank].hostname
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The transport in use between ranks.
+    pub fn transport_name(&self) -> &'static str {
+        self.transport.name()
+    }
+
+    /// The algorithm a call of `collective` would use now.
+    pub fn algorithm(&self, collective: Collective) -> Result<&'static Algorithm> {
+        match self.config.forced_algo(collective.name()) {
+            None => Ok(algo::default_for(collective)),
+            Some(name) => algo::find(collective, name).ok_or_else(|| Error::InvalidArgument {
+                rank: self.rank,
+                message: format!(
+                    "no {collective} algorithm named '{name}' (available: {})",
+                    algo::names(collective).join(", ")
+                ),
+            }),
+        }
+    }
+
+    /// `recv[i] = op over ranks of send[i]`, on every rank.
+    pub fn all_reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bufs = Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.all_reduce_bytes(bufs, T::DTYPE, op)
+    }
+
+    /// `buf[i] = op over ranks of buf[i]`, on every rank.
+    pub fn all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.all_reduce_bytes(
+            Buffers::InPlace(bytemuck::cast_slice_mut(buf)),
+            T::DTYPE,
+            op,
+        )
+    }
+
+    /// AllReduce on byte buffers holding `dtype` elements.
+    pub fn all_reduce_bytes(
+        &mut self,
+        bufs: Buffers<'_>,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.run(Collective::AllReduce, bufs, dtype, Some(op))
+    }
+
+    /// Block `j` of `send` goes to rank `j`; block `j` of `recv` comes from
+    /// rank `j`. Lengths must be equal and divisible by the rank count.
+    pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let bufs = Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.all_to_all_bytes(bufs, T::DTYPE)
+    }
+
+    /// AllToAll where the received blocks replace the sent ones.
+    pub fn all_to_all_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        self.all_to_all_bytes(Buffers::InPlace(bytemuck::cast_slice_mut(buf)), T::DTYPE)
+    }
+
+    /// AllToAll on byte buffers holding `dtype` elements.
+    pub fn all_to_all_bytes(&mut self, bufs: Buffers<'_>, dtype: DataType) -> Result<()> {
+        self.run(Collective::AllToAll, bufs, dtype, None)
+    }
+
+    /// Returns once every rank has entered the barrier.
+    pub fn barrier(&mut self) -> Result<()> {
+        self.run(
+            Collective::Barrier,
+            Buffers::InPlace(&mut []),
+            DataType::U8,
+            None,
+        )
+    }
+
+    /// Keeps `buf` registered with the transport until
+    /// [`deregister`](Self::deregister), so calls on it skip registration
+    /// (which costs a page pinning per call over verbs).
+    pub fn register<T: Element>(&mut self, buf: &[T]) -> Result<()> {
+        let bytes: &[u8] = bytemuck::cast_slice(buf);
+        self.registrations
+            .get_or_register(&*self.transport, bytes.as_ptr(), bytes.len())
+            .map(drop)
+            .map_err(|e| Error::InvalidArgument {
+                rank: self.rank,
+                message: e.to_string(),
+            })
+    }
+
+    /// Forgets a registration made by [`register`](Self::register).
+    pub fn deregister<T: Element>(&mut self, buf: &[T]) {
+        let bytes: &[u8] = bytemuck::cast_slice(buf);
+        self.registrations.evict(bytes.as_ptr(), bytes.len());
+    }
+
+    /// Validates, builds the algorithm's schedule and runs it. Any failure
+    /// aborts the communicator and tells the peers why.
+    fn run(
+        &mut self,
+        collective: Collective,
+        bufs: Buffers<'_>,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        if let Some(reason) = &self.aborted {
+            return Err(Error::Aborted {
+                rank: self.rank,
+                reason: reason.clone(),
+            });
+        }
+        let (input, output) = match bufs {
+            Buffers::InPlace(b) => (None, b),
+            Buffers::OutOfPlace { send, recv } => (Some(send), recv),
+        };
+        let desc = OpDesc {
+            collective,
+            dtype,
+            op,
+            count: (output.len() / dtype.size()) as u64,
+            seq: self.seq,
+        };
+        self.seq = self.seq.wrapping_add(1);
+        let result = self
+            .check_args(collective, input, output, dtype)
+            .and_then(|()| {
+                let algo = self.algorithm(collective)?;
+                self.execute(desc, algo, input, output)
+            });
+        if let Err(e) = &result {
+            self.abort(&e.to_string());
+        }
+        result
+    }
+
+    fn check_args(
+        &self,
+        collective: Collective,
+        input: Option<&[u8]>,
+        output: &[u8],
+        dtype: DataType,
+    ) -> Result<()> {
+        let bad = |message: String| {
+            Err(Error::InvalidArgument {
+                rank: self.rank,
+                message,
+            })
+        };
+        let elem = dtype.size();
+        if let Some(input) = input {
+            if input.len() != output.len() {
+                return bad(format!(
+                    "{collective}: send buffer has {} bytes, receive buffer {}",
+                    input.len(),
+                    output.len()
+                ));
+            }
+        }
+        if output.len() % elem != 0 {
+            return bad(format!(
+                "{collective}: {} bytes is not a whole number of {dtype} elements",
+                output.len()
+            ));
+        }
+        for b in input.into_iter().chain([&*output]) {
+            if b.as_ptr() as usize % elem != 0 {
+                return bad(format!(
+                    "{collective}: buffer at {:p} is not aligned for {dtype}",
+                    b.as_ptr()
+                ));
+            }
+        }
+        if collective == Collective::AllToAll && (output.len() / elem) % self.size != 0 {
+            return bad(format!(
+                "alltoall: count {} is not divisible by the {} ranks (each rank gets count/ranks elements)",
+                output.len() / elem,
+                self.size
+            ));
+        }
+        Ok(())
+    }
+
+    fn execute(
+        &mut self,
+        desc: OpDesc,
+        algo: &Algorithm,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Result<()> {
+        let elem = desc.dtype.size();
+        let layout = Layout {
+            rank: self.rank,
+            size: self.size,
+            count: desc.count as usize,
+            elem,
+            chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
+            in_place: input.is_none(),
+        };
+        let mut sched = Schedule::default();
+        (algo.build)(&layout, &mut sched);
+        tracing::debug!(rank = self.rank, op = %desc, algo = algo.name, chunk = layout.chunk, ops = sched.len(), "start");
+        let rank = self.rank;
+        let region = |ptr: *mut u8,
+                      len: usize,
+                      cache: &RegistrationCache,
+                      t: &dyn Transport|
+         -> Result<Region> {
+            let mr: MemRegion = match cache.lookup(ptr, len) {
+                Some(mr) => mr,
+                None => t
+                    .register(ptr, len)
+                    .map_err(|e| Error::collective(rank, desc, e))?,
+            };
+            Ok(Region { ptr, len, mr })
+        };
+        let input = match input {
+            Some(b) => Some(region(
+                b.as_ptr().cast_mut(),
+                b.len(),
+                &self.registrations,
+                &*self.transport,
+            )?),
+            None => None,
+        };
+        let output = region(
+            output.as_mut_ptr(),
+            output.len(),
+            &self.registrations,
+            &*self.transport,
+        )?;
+        let exec = Exec {
+            peers: &mut self.conns,
+            input,
+            output,
+            staging: &mut self.staging,
+            dtype: desc.dtype,
+            op: desc.op.unwrap_or(ReduceOp::Sum),
+            nranks: self.size,
+            tag: desc.tag(),
+            timeout: self.config.timeout,
+            depth: self.config.depth,
+        };
+        exec.run(&sched)
+            .map_err(|e| Error::collective(rank, desc, e))
+    }
+
+    /// Gives up on every connection, telling each peer `reason`.
+    fn abort(&mut self, reason: &str) {
+        tracing::warn!(rank = self.rank, "aborting the communicator: {reason}");
+        for c in self.conns.iter_mut().flatten() {
+            c.abort(reason);
+        }
+        self.aborted = Some(reason.to_string());
+    }
+}
+
+/// The rank number the environment claims, for errors before bootstrap.
+fn env_rank() -> Rank {
+    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+        .iter()
+        .find_map(|v| std::env::var(v).ok()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The local address the kernel would use to reach `dest`: the address peers
+/// on that network can reach us at (no packet is sent).
+fn local_ip_towards(dest: SocketAddr) -> IpAddr {
+    let probe = || -> std::io::Result<IpAddr> {
+        let unspecified: SocketAddr = if dest.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        }
+        .parse()
+        .unwrap();
+        let s = UdpSocket::bind(unspecified)?;
+        s.connect(dest)?;
+        Ok(s.local_addr()?.ip())
+    };
+    probe().unwrap_or(dest.ip())
+}
+
+/// Hosts the rendezvous if it is ours to host, then joins it.
+fn meet(
+    boot: &Bootstrap,
+    addr: SocketAddr,
+    me: PeerInfo,
+    deadline: Instant,
+) -> std::result::Result<Table, String> {
+    let server = if boot.hosts_rendezvous {
+        Some(rendezvous::Server::bind(addr)?.spawn(boot.size, boot.job_token, deadline))
+    } else {
+        None
+    };
+    let table = rendezvous::join(addr, boot.job_token, boot.size, me, deadline);
+    if let Some(server) = server {
+        match server.join() {
+            Ok(Err(e)) if table.is_ok() => return Err(e),
+            Err(_) => return Err("the rendezvous thread panicked".into()),
+            _ => {}
+        }
+    }
+    table
+}
+
+/// Connects every pair of ranks once: each rank dials the lower ranks and
+/// accepts the higher ones, both at the same time.
+fn connect_mesh(
+    transport: &dyn Transport,
+    mut listener: Box<dyn Listener>,
+    rank: Rank,
+    table: &Table,
+    deadline: Instant,
+) -> std::result::Result<Vec<Option<Box<dyn Connection>>>, String> {
+    let size = table.peers.len();
+    let token = table.session;
+    let expected = size - 1 - rank;
+    let acceptor = std::thread::spawn(
+        move || -> std::result::Result<Vec<(Rank, Box<dyn Connection>)>, String> {
+            let mut got: Vec<(Rank, Box<dyn Connection>)> = Vec::with_capacity(expected);
+            while got.len() < expected {
+                match listener.accept(token, rank, deadline) {
+                    Ok((peer, conn))
+                        if peer > rank && peer < size && !got.iter().any(|(r, _)| *r == peer) =>
+                    {
+                        got.push((peer, conn))
+                    }
+                    Ok((peer, _)) => {
+                        tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
+                    }
+                    Err(e) => {
+                        let missing: Vec<Rank> = (rank + 1..size)
+                            .filter(|r| !got.iter().any(|(g, _)| g == r))
+                            .collect();
+                        return Err(format!("rank(s) {missing:?} never connected: {e}"));
+                    }
+                }
+            }
+            Ok(got)
+        },
+    );
+    let mut conns: Vec<Option<Box<dyn Connection>>> = (0..size).map(|_| None).collect();
+    let mut first_error = None;
+    for peer in 0..rank {
+        let blob = table.peers[peer]
+            .addresses
+            .get(transport.name())
+            .and_then(|h| rendezvous::from_hex(h))
+            .ok_or_else(|| format!("rank {peer} published no {} address", transport.name()))?;
+        let hello = Hello {
+            token,
+            from: rank,
+            to: peer,
+        };
+        match transport.connect(&blob, hello, deadline) {
+            Ok(c) => conns[peer] = Some(c),
+            Err(e) => {
+                first_error = Some(format!("could not connect to rank {peer}: {e}"));
+                break;
+            }
+        }
+    }
+    let accepted = acceptor
+        .join()
+        .map_err(|_| "the accepting thread panicked".to_string())?;
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    for (peer, c) in accepted? {
+        conns[peer] = Some(c);
+    }
+    Ok(conns)
+}

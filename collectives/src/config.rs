@@ -1,0 +1,179 @@
+//! Run-time settings, from code or from `COLL_*` environment variables.
+
+use std::time::Duration;
+
+use transport::tcp::TcpOptions;
+
+/// Settings of a communicator. `Config::from_env()` starts from the defaults
+/// and applies the environment:
+///
+/// | variable | meaning | default |
+/// |---|---|---|
+/// | `COLL_TIMEOUT` | seconds a wait may see no progress before failing | 300 |
+/// | `COLL_CHUNK` | pipeline chunk size, bytes (`K`/`M` suffixes) | 1M |
+/// | `COLL_DEPTH` | chunks in flight per peer and direction | 4 |
+/// | `COLL_ALGO` | force an algorithm, e.g. `ring` or `allreduce=ring,alltoall=pairwise` | selector |
+/// | `COLL_TRANSPORT` | `auto` or `tcp` | auto |
+/// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
+/// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// How long any wait may go without progress before it fails.
+    pub timeout: Duration,
+    /// Bytes per pipelined chunk (and per staging slot).
+    pub chunk_bytes: usize,
+    /// Chunks in flight per peer and direction; also the number of staging slots.
+    pub depth: usize,
+    /// Forced algorithms: `(collective or "*", algorithm name)`.
+    pub algo: Vec<(String, String)>,
+    /// `auto` or a transport name.
+    pub transport: String,
+    pub tcp: TcpOptions,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            timeout: Duration::from_secs(300),
+            chunk_bytes: 1 << 20,
+            depth: 4,
+            algo: Vec::new(),
+            transport: "auto".into(),
+            tcp: TcpOptions::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Defaults overridden by `COLL_*` variables; a malformed value is an error.
+    pub fn from_env() -> Result<Self, String> {
+        let mut c = Config::default();
+        if let Some(v) = var("COLL_TIMEOUT") {
+            c.timeout = parse_seconds(&v).map_err(|e| format!("COLL_TIMEOUT: {e}"))?;
+        }
+        if let Some(v) = var("COLL_CHUNK") {
+            c.chunk_bytes = parse_size(&v).map_err(|e| format!("COLL_CHUNK: {e}"))? as usize;
+        }
+        if let Some(v) = var("COLL_DEPTH") {
+            c.depth = v
+                .parse()
+                .map_err(|_| format!("COLL_DEPTH: '{v}' is not a number"))?;
+        }
+        if let Some(v) = var("COLL_ALGO") {
+            c.algo = parse_algo(&v);
+        }
+        if let Some(v) = var("COLL_TRANSPORT") {
+            c.transport = v;
+        }
+        if let Some(v) = var("COLL_TCP_BUFFER") {
+            c.tcp.socket_buffer =
+                Some(parse_size(&v).map_err(|e| format!("COLL_TCP_BUFFER: {e}"))? as usize);
+        }
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.chunk_bytes < 64 {
+            return Err(format!("chunk size {} is below 64 bytes", self.chunk_bytes));
+        }
+        if !(1..=64).contains(&self.depth) {
+            return Err(format!("pipeline depth {} is not in 1..=64", self.depth));
+        }
+        if self.timeout.is_zero() {
+            return Err("timeout must be positive".into());
+        }
+        if !["auto", "tcp"].contains(&self.transport.as_str()) {
+            return Err(format!(
+                "unknown transport '{}' (one of auto, tcp)",
+                self.transport
+            ));
+        }
+        Ok(())
+    }
+
+    /// The algorithm forced for `collective`, if any.
+    pub fn forced_algo(&self, collective: &str) -> Option<&str> {
+        self.algo
+            .iter()
+            .rev()
+            .find(|(c, _)| c == collective || c == "*")
+            .map(|(_, a)| a.as_str())
+    }
+}
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// `ring` (every collective) or `allreduce=ring,alltoall=pairwise`.
+pub fn parse_algo(v: &str) -> Vec<(String, String)> {
+    v.split(',')
+        .filter(|s| !s.trim().is_empty())
+        .map(|item| match item.split_once('=') {
+            Some((c, a)) => (c.trim().to_lowercase(), a.trim().to_lowercase()),
+            None => ("*".into(), item.trim().to_lowercase()),
+        })
+        .collect()
+}
+
+/// `1000`, `64K`, `1M`, `1G`, `1.5G`, `4KiB` (binary multiples, as nccl-tests).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let body = lower
+        .trim_end_matches("ib")
+        .trim_end_matches('b')
+        .trim_end();
+    let (num, mult) = match body.chars().last() {
+        Some('k') => (&body[..body.len() - 1], 1u64 << 10),
+        Some('m') => (&body[..body.len() - 1], 1 << 20),
+        Some('g') => (&body[..body.len() - 1], 1 << 30),
+        Some('t') => (&body[..body.len() - 1], 1 << 40),
+        _ => (body, 1),
+    };
+    let v: f64 = num
+        .trim()
+        .parse()
+        .map_err(|_| format!("'{t}' is not a size (examples: 8, 64K, 1M, 1G)"))?;
+    if !(v >= 0.0) || !v.is_finite() {
+        return Err(format!("'{t}' is not a size"));
+    }
+    Ok((v * mult as f64).round() as u64)
+}
+
+/// Seconds, fractional allowed: `30`, `0.5`, `2s`.
+pub fn parse_seconds(s: &str) -> Result<Duration, String> {
+    let t = s.trim().trim_end_matches('s');
+    match t.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!("'{s}' is not a positive number of seconds")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse_like_nccl_tests() {
+        assert_eq!(parse_size("8"), Ok(8));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("1M"), Ok(1 << 20));
+        assert_eq!(parse_size("1G"), Ok(1 << 30));
+        assert_eq!(parse_size("256MiB"), Ok(256 << 20));
+        assert_eq!(parse_size("1.5k"), Ok(1536));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("-1").is_err());
+    }
+
+    #[test]
+    fn algo_overrides() {
+        let c = Config {
+            algo: parse_algo("ring, alltoall=pairwise"),
+            ..Config::default()
+        };
+        assert_eq!(c.forced_algo("allreduce"), Some("ring"));
+        assert_eq!(c.forced_algo("alltoall"), Some("pairwise"));
+    }
+}

@@ -1,0 +1,25 @@
+//! Logging behind `COLL_DEBUG`, in the spirit of `NCCL_DEBUG`.
+
+use tracing_subscriber::EnvFilter;
+
+/// Installs a stderr logger at the level `COLL_DEBUG` names (`WARN` if unset;
+/// `INFO` shows transport, algorithm, chunk size and peers; a full
+/// `tracing` filter such as `collectives=debug` also works). Does nothing if
+/// the application installed its own subscriber.
+pub fn init() {
+    let level = std::env::var("COLL_DEBUG").unwrap_or_default();
+    let directive = match level.trim().to_ascii_lowercase().as_str() {
+        "" => "warn".to_string(),
+        l @ ("error" | "warn" | "info" | "debug" | "trace") => {
+            format!("collectives={l},transport={l}")
+        }
+        "version" => "warn".to_string(),
+        other => other.to_string(),
+    };
+    let filter = EnvFilter::try_new(&directive).unwrap_or_else(|_| EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

@@ -1,0 +1,479 @@
+//! A collective call as a schedule of sends and receives, and the one executor
+//! that runs every algorithm's schedule.
+//!
+//! Algorithms only build schedules (see `algo/`): "send this span to peer p
+//! after op k", "receive from p into a staging slot, then reduce it into this
+//! span". The executor keeps up to `depth` operations in flight per peer and
+//! direction, reduces each staged chunk as soon as it lands (so the receive of
+//! chunk k+1 overlaps the reduction of chunk k), sleeps in `poll` when nothing
+//! moves, and fails with the peer named when nothing moves for `timeout`.
+
+use std::time::{Duration, Instant};
+
+use transport::{Connection, MemRegion, Poller, Rank, Request, Tag};
+
+use crate::reduce;
+use crate::{DataType, ReduceOp};
+
+pub(crate) type OpId = usize;
+
+/// Which of the caller's buffers a span lies in. `Input` is the send buffer,
+/// or the output buffer itself for in-place calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Buf {
+    Input,
+    Output,
+}
+
+/// A byte range of one of the caller's buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub buf: Buf,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// What happens to a receive that lands in a staging slot.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Action {
+    /// `span = with op slot` (or `span op= slot` without `with`), then divide
+    /// by the rank count if `finalize` and the reduction is an average.
+    Reduce { with: Option<Span>, finalize: bool },
+    /// `span = slot`.
+    Copy,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Send,
+    Recv,
+    Staged(Action),
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Op {
+    peer: Rank,
+    kind: Kind,
+    span: Span,
+    /// Must be done before this op touches `span`: before posting a send or a
+    /// direct receive, before applying a staged receive's action.
+    after: Option<OpId>,
+}
+
+/// The sends and receives of one call. Ops to the same peer in the same
+/// direction are posted in the order they were added, so both ends of a
+/// connection must add matching ops in the same order.
+#[derive(Debug, Default)]
+pub(crate) struct Schedule {
+    ops: Vec<Op>,
+    /// Local copies `(from, to)`, done before any op is posted.
+    copies: Vec<(Span, Span)>,
+}
+
+impl Schedule {
+    fn push(&mut self, peer: Rank, kind: Kind, span: Span, after: Option<OpId>) -> OpId {
+        self.ops.push(Op {
+            peer,
+            kind,
+            span,
+            after,
+        });
+        self.ops.len() - 1
+    }
+
+    pub fn send(&mut self, peer: Rank, span: Span, after: Option<OpId>) -> OpId {
+        self.push(peer, Kind::Send, span, after)
+    }
+
+    /// Receive straight into `span` (an output span).
+    pub fn recv(&mut self, peer: Rank, span: Span, after: Option<OpId>) -> OpId {
+        debug_assert_eq!(span.buf, Buf::Output);
+        self.push(peer, Kind::Recv, span, after)
+    }
+
+    /// Receive into a staging slot, then reduce into `span`.
+    pub fn recv_reduce(
+        &mut self,
+        peer: Rank,
+        span: Span,
+        with: Option<Span>,
+        finalize: bool,
+    ) -> OpId {
+        debug_assert_eq!(span.buf, Buf::Output);
+        debug_assert!(with.is_none_or(|w| w.buf == Buf::Input && w.len == span.len));
+        self.push(
+            peer,
+            Kind::Staged(Action::Reduce { with, finalize }),
+            span,
+            None,
+        )
+    }
+
+    /// Receive into a staging slot, then copy into `span` once `after` is done.
+    pub fn recv_copy(&mut self, peer: Rank, span: Span, after: Option<OpId>) -> OpId {
+        debug_assert_eq!(span.buf, Buf::Output);
+        self.push(peer, Kind::Staged(Action::Copy), span, after)
+    }
+
+    /// Copy `from` (input) to `to` (output) locally, before the exchange starts.
+    pub fn copy(&mut self, from: Span, to: Span) {
+        debug_assert!(from.buf == Buf::Input && to.buf == Buf::Output && from.len == to.len);
+        self.copies.push((from, to));
+    }
+
+    pub fn len(&self) -> usize {
+        self.ops.len()
+    }
+}
+
+/// A caller buffer as the executor sees it.
+pub(crate) struct Region {
+    pub ptr: *mut u8,
+    pub len: usize,
+    pub mr: MemRegion,
+}
+
+/// Chunk-sized receive slots, registered once and reused by every call.
+pub(crate) struct Staging {
+    storage: Vec<u64>,
+    mr: MemRegion,
+    pub slot_bytes: usize,
+    pub slots: usize,
+}
+
+impl Staging {
+    pub fn new(
+        transport: &dyn transport::Transport,
+        slot_bytes: usize,
+        slots: usize,
+    ) -> transport::Result<Self> {
+        // u64 storage keeps every slot aligned for any datatype.
+        let slot_bytes = slot_bytes.next_multiple_of(64);
+        let mut storage = vec![0u64; slot_bytes * slots / 8];
+        let mr = transport.register(storage.as_mut_ptr().cast(), slot_bytes * slots)?;
+        Ok(Staging {
+            storage,
+            mr,
+            slot_bytes,
+            slots,
+        })
+    }
+
+    /// The bytes of `slot`'s first `len` bytes.
+    fn slot(&self, slot: usize, len: usize) -> &[u8] {
+        &bytemuck::cast_slice(&self.storage)[slot * self.slot_bytes..][..len]
+    }
+}
+
+/// Everything a schedule runs against.
+pub(crate) struct Exec<'a> {
+    pub peers: &'a mut [Option<Box<dyn Connection>>],
+    /// `None` for in-place calls.
+    pub input: Option<Region>,
+    pub output: Region,
+    pub staging: &'a mut Staging,
+    pub dtype: DataType,
+    pub op: ReduceOp,
+    pub nranks: usize,
+    pub tag: Tag,
+    pub timeout: Duration,
+    pub depth: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum State {
+    Waiting,
+    Posted(Request, Option<usize>),
+    /// A staged receive that completed; its action waits for `after`.
+    Landed(usize),
+    Done,
+}
+
+/// Ops of one peer and direction, in posting order.
+struct Queue {
+    peer: Rank,
+    ops: Vec<OpId>,
+    posted: usize,
+    done: usize,
+}
+
+impl Exec<'_> {
+    /// Runs `sched` to completion. Errors name the peer; on error some ops may
+    /// still be posted: the caller must abort the connections before the
+    /// buffers go away.
+    pub fn run(mut self, sched: &Schedule) -> transport::Result<()> {
+        let mut queues = make_queues(sched);
+        let mut involved = vec![false; self.peers.len()];
+        queues.iter().for_each(|q| involved[q.peer] = true);
+        for (from, to) in &sched.copies {
+            self.span_mut(*to).copy_from_slice(self.span(*from));
+        }
+        let mut run = Run {
+            state: vec![State::Waiting; sched.ops.len()],
+            free_slots: (0..self.staging.slots).rev().collect(),
+            staged: (0..sched.ops.len())
+                .filter(|id| matches!(sched.ops[*id].kind, Kind::Staged(_)))
+                .collect(),
+            next_staged: 0,
+            remaining: sched.ops.len(),
+        };
+        let mut poller = Poller::default();
+        let mut last_progress = Instant::now();
+        while run.remaining > 0 {
+            let mut moved = false;
+            for q in &mut queues {
+                moved |= self.post_ready(sched, q, &mut run)?;
+            }
+            for (_, conn) in self.involved(&involved) {
+                moved |= conn.progress()?;
+            }
+            for q in &mut queues {
+                moved |= self.complete_ready(sched, q, &mut run)?;
+            }
+            if moved {
+                poller.busy();
+                last_progress = Instant::now();
+            } else {
+                let deadline = last_progress + self.timeout;
+                let conns = self.involved(&involved).map(|(_, c)| c);
+                if !poller.idle(conns, deadline)? {
+                    return Err(self.timeout_error(sched, &queues, last_progress));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn involved<'b>(
+        &'b mut self,
+        involved: &'b [bool],
+    ) -> impl Iterator<Item = (Rank, &'b mut Box<dyn Connection>)> + 'b {
+        self.peers
+            .iter_mut()
+            .enumerate()
+            .filter(|(r, _)| involved[*r])
+            .filter_map(|(r, c)| c.as_mut().map(|c| (r, c)))
+    }
+
+    /// Posts the queue's next ops while the window, dependencies and staging allow.
+    fn post_ready(
+        &mut self,
+        sched: &Schedule,
+        q: &mut Queue,
+        run: &mut Run,
+    ) -> transport::Result<bool> {
+        let mut moved = false;
+        while q.posted < q.ops.len() && q.posted - q.done < self.depth {
+            let id = q.ops[q.posted];
+            let op = sched.ops[id];
+            let ready = match op.kind {
+                Kind::Send | Kind::Recv => run.done(op.after),
+                // Slots go to staged receives in schedule order, never to a
+                // later one first: a slot held for a later exchange could
+                // starve the one both ends need now.
+                Kind::Staged(_) => {
+                    !run.free_slots.is_empty() && run.staged.get(run.next_staged) == Some(&id)
+                }
+            };
+            if !ready {
+                break;
+            }
+            let (mr, offset, slot) = match op.kind {
+                Kind::Staged(_) => {
+                    let slot = run.free_slots.pop().expect("checked above");
+                    run.next_staged += 1;
+                    if op.span.len > self.staging.slot_bytes {
+                        return Err(transport::Error::Invalid(format!(
+                            "a staged receive of {} bytes exceeds the {}-byte staging slots",
+                            op.span.len, self.staging.slot_bytes
+                        )));
+                    }
+                    (
+                        self.staging.mr.clone(),
+                        slot * self.staging.slot_bytes,
+                        Some(slot),
+                    )
+                }
+                _ => (self.region(op.span.buf).mr.clone(), op.span.offset, None),
+            };
+            let conn = connection(self.peers, op.peer)?;
+            // SAFETY: the span or slot stays valid for the whole call (the
+            // caller aborts the connections before returning on error), and
+            // the schedule's `after` edges keep anyone else off these bytes
+            // until the request completes.
+            let req = unsafe {
+                match op.kind {
+                    Kind::Send => conn.isend(&mr, offset, op.span.len, self.tag)?,
+                    _ => conn.irecv(&mr, offset, op.span.len, self.tag)?,
+                }
+            };
+            run.state[id] = State::Posted(req, slot);
+            q.posted += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Retires the queue's completed ops in order, applying staged actions.
+    fn complete_ready(
+        &mut self,
+        sched: &Schedule,
+        q: &mut Queue,
+        run: &mut Run,
+    ) -> transport::Result<bool> {
+        let mut moved = false;
+        while q.done < q.posted {
+            let id = q.ops[q.done];
+            let op = sched.ops[id];
+            match run.state[id] {
+                State::Posted(req, slot) => {
+                    if !connection(self.peers, op.peer)?.is_done(req) {
+                        break;
+                    }
+                    moved = true;
+                    if let Some(slot) = slot {
+                        run.state[id] = State::Landed(slot);
+                        continue;
+                    }
+                }
+                State::Landed(slot) => {
+                    if !run.done(op.after) {
+                        break;
+                    }
+                    let Kind::Staged(action) = op.kind else {
+                        unreachable!("only staged receives land")
+                    };
+                    self.apply(action, op.span, slot);
+                    run.free_slots.push(slot);
+                }
+                State::Waiting | State::Done => unreachable!("queue cursor out of step"),
+            }
+            run.state[id] = State::Done;
+            run.remaining -= 1;
+            q.done += 1;
+        }
+        Ok(moved)
+    }
+
+    /// Folds a landed staging slot into `span`.
+    fn apply(&mut self, action: Action, span: Span, slot: usize) {
+        // The slot holds a completed receive; no request targets it until it is freed.
+        let src = self.staging.slot(slot, span.len);
+        let dst = self.span_mut(span);
+        match action {
+            Action::Copy => dst.copy_from_slice(src),
+            Action::Reduce { with, finalize } => {
+                match with {
+                    None => reduce::reduce_into(self.dtype, self.op, dst, src),
+                    Some(w) => {
+                        let a = self.span(w);
+                        reduce::reduce_to(self.dtype, self.op, dst, a, src)
+                    }
+                }
+                if finalize {
+                    reduce::finalize(self.dtype, self.op, dst, self.nranks);
+                }
+            }
+        }
+    }
+
+    fn region(&self, buf: Buf) -> &Region {
+        match (buf, &self.input) {
+            (Buf::Input, Some(input)) => input,
+            _ => &self.output,
+        }
+    }
+
+    fn span(&self, span: Span) -> &[u8] {
+        let r = self.region(span.buf);
+        assert!(span.offset + span.len <= r.len);
+        // SAFETY: in bounds (checked); input spans are never written, and the
+        // schedule keeps receives off any span while it is read here.
+        unsafe { std::slice::from_raw_parts(r.ptr.add(span.offset), span.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)] // the buffer is reached through a raw pointer
+    fn span_mut(&self, span: Span) -> &mut [u8] {
+        assert_eq!(span.buf, Buf::Output, "only the output buffer is written");
+        let r = &self.output;
+        assert!(span.offset + span.len <= r.len);
+        // SAFETY: in bounds (checked); the schedule's `after` edges guarantee
+        // no posted request reads or writes this span while it is written,
+        // and `with` spans live in the distinct input buffer.
+        unsafe { std::slice::from_raw_parts_mut(r.ptr.add(span.offset), span.len) }
+    }
+
+    fn timeout_error(
+        &self,
+        sched: &Schedule,
+        queues: &[Queue],
+        since: Instant,
+    ) -> transport::Error {
+        // Blame the first unfinished receive: it is what a silent peer starves.
+        let stuck = queues
+            .iter()
+            .filter(|q| q.done < q.ops.len())
+            .min_by_key(|q| matches!(sched.ops[q.ops[0]].kind, Kind::Send))
+            .expect("timed out with nothing pending");
+        let op = sched.ops[stuck.ops[stuck.done]];
+        let what = if matches!(op.kind, Kind::Send) {
+            "send"
+        } else {
+            "receive"
+        };
+        transport::Error::Timeout {
+            peer: stuck.peer,
+            waited: since.elapsed(),
+            waiting_for: format!(
+                "{what} {} of {} to/from it, {} bytes, not complete",
+                stuck.done + 1,
+                stuck.ops.len(),
+                op.span.len
+            ),
+        }
+    }
+}
+
+struct Run {
+    state: Vec<State>,
+    free_slots: Vec<usize>,
+    /// Staged receives in schedule order, and the next one to get a slot.
+    staged: Vec<OpId>,
+    next_staged: usize,
+    remaining: usize,
+}
+
+impl Run {
+    fn done(&self, op: Option<OpId>) -> bool {
+        op.is_none_or(|id| matches!(self.state[id], State::Done))
+    }
+}
+
+fn connection(
+    peers: &mut [Option<Box<dyn Connection>>],
+    peer: Rank,
+) -> transport::Result<&mut Box<dyn Connection>> {
+    peers
+        .get_mut(peer)
+        .and_then(|c| c.as_mut())
+        .ok_or_else(|| transport::Error::Invalid(format!("no connection to rank {peer}")))
+}
+
+fn make_queues(sched: &Schedule) -> Vec<Queue> {
+    let mut queues: Vec<Queue> = Vec::new();
+    let mut index = std::collections::HashMap::new();
+    for (id, op) in sched.ops.iter().enumerate() {
+        let key = (op.peer, matches!(op.kind, Kind::Send));
+        let qi = *index.entry(key).or_insert_with(|| {
+            queues.push(Queue {
+                peer: op.peer,
+                ops: Vec::new(),
+                posted: 0,
+                done: 0,
+            });
+            queues.len() - 1
+        });
+        queues[qi].ops.push(id);
+    }
+    queues
+}
