@@ -77,7 +77,8 @@ pub struct BenchArgs {
     #[arg(long)]
     pub iters: Option<usize>,
 
-    /// Untimed iterations before timing [default: 5, 1 above 64 MiB]
+    /// Untimed iterations before timing [default: 5; above 64 MiB 1, or 0
+    /// when checking, whose call warms up the same buffers]
     #[arg(short = 'w', long)]
     pub warmup: Option<usize>,
 
@@ -160,7 +161,11 @@ impl BenchArgs {
         } else {
             (20 * BIG).div_ceil(bytes).max(2) as usize
         });
-        let warmup = self.warmup.unwrap_or(if bytes <= BIG { 5 } else { 1 });
+        let warmup = self.warmup.unwrap_or(match (bytes <= BIG, self.check) {
+            (true, _) => 5,
+            (false, 0) => 1,
+            (false, _) => 0,
+        });
         (iters.max(1), warmup)
     }
 }

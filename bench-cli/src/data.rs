@@ -1,20 +1,25 @@
-//! Input patterns and their expected results, computed in closed form so that
-//! checking a 1 GiB result costs one pass over it whatever the rank count.
+//! Input patterns and their expected results, in closed form and periodic, so
+//! that filling is a repeated copy and checking a slice comparison: a 1 GiB
+//! result is checked at memory speed whatever the rank count.
 //!
 //! Rank r's element i holds `b(i) + r` (sum, min, max, avg, alltoall) or
-//! `s(i) * t(r)` with `t(r)` in {1, 2} (prod): small integers, exact in every
-//! datatype, so any reduction order gives the same bits and a wrong element
-//! is a real error. Floats get a tolerance only where rank counts push sums
-//! past their mantissa (bf16 beyond 256).
+//! `s(i) * t(r)` with `t(r)` in {1, 2} (prod), where `b` and `s` repeat every
+//! [`PERIOD`] elements (a prime, so a block landing at a wrong power-of-two
+//! offset shows). The values are small integers, exact in every datatype, so
+//! any reduction order gives the same bits and a wrong element is a real
+//! error. Floats get a tolerance only where rank counts push sums past their
+//! mantissa (bf16 beyond 256).
 
 use collectives::{DataType, ReduceOp};
 use half::{bf16, f16};
 
-/// Hash of the element index: a value per element that a mixed-up offset
-/// would not reproduce.
+/// Elements before the pattern repeats.
+pub const PERIOD: usize = 1021;
+
+/// Hash of the element index within the period.
 #[inline(always)]
 fn h(i: usize) -> u64 {
-    (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58
+    ((i % PERIOD) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 58
 }
 
 /// `b(i)`: in [-4, 3] for signed types and floats, [0, 7] for unsigned.
@@ -204,58 +209,80 @@ macro_rules! with_type {
 
 /// Writes rank `rank`'s allreduce input for `op` into `buf`.
 pub fn fill_allreduce(buf: &mut [u8], dtype: DataType, op: ReduceOp, rank: usize) {
-    with_type!(dtype, T => fill::<T>(buf, |i| input(op, T::SIGNED, rank, i)))
+    with_type!(dtype, T => fill(buf, &table::<T>(|i| T::from_i64(input(op, T::SIGNED, rank, i)))))
 }
 
 /// Writes rank `rank`'s alltoall input into `buf`.
 pub fn fill_alltoall(buf: &mut [u8], dtype: DataType, rank: usize) {
-    with_type!(dtype, T => fill::<T>(buf, |i| input(ReduceOp::Sum, T::SIGNED, rank, i)))
-}
-
-fn fill<T: Value>(buf: &mut [u8], v: impl Fn(usize) -> i64) {
-    let buf: &mut [T] = bytemuck::cast_slice_mut(buf);
-    buf.iter_mut()
-        .enumerate()
-        .for_each(|(i, x)| *x = T::from_i64(v(i)));
+    with_type!(dtype, T => fill(buf, &table::<T>(|i| T::from_i64(input(ReduceOp::Sum, T::SIGNED, rank, i)))))
 }
 
 /// Elements of an allreduce result over `n` ranks that are wrong.
 pub fn check_allreduce(buf: &[u8], dtype: DataType, op: ReduceOp, n: usize) -> u64 {
-    with_type!(dtype, T => count_wrong::<T>(buf, n, |i| {
-        let r = reduced(op, T::SIGNED, n, i);
-        if op == ReduceOp::Avg { T::average(r, n) } else { T::from_i64(r) }
-    }))
+    with_type!(dtype, T => {
+        let want = table::<T>(|i| {
+            let r = reduced(op, T::SIGNED, n, i);
+            if op == ReduceOp::Avg { T::average(r, n) } else { T::from_i64(r) }
+        });
+        count_wrong::<T>(buf, &want, 0, n)
+    })
 }
 
 /// Elements of rank `rank`'s alltoall result over `n` ranks that are wrong.
 pub fn check_alltoall(buf: &[u8], dtype: DataType, rank: usize, n: usize) -> u64 {
-    with_type!(dtype, T => {
-        let block = buf.len() / dtype.size() / n;
-        count_wrong::<T>(buf, n, |i| {
-            let (from, e) = (i / block, i % block);
-            T::from_i64(input(ReduceOp::Sum, T::SIGNED, from, rank * block + e))
+    let block = buf.len() / n;
+    let first = rank * block / dtype.size();
+    (0..n)
+        .map(|from| {
+            with_type!(dtype, T => {
+                let want = table::<T>(|i| T::from_i64(input(ReduceOp::Sum, T::SIGNED, from, i)));
+                count_wrong::<T>(&buf[from * block..][..block], &want, first % PERIOD, n)
+            })
         })
-    })
+        .sum()
 }
 
-fn count_wrong<T: Value>(buf: &[u8], n: usize, expect: impl Fn(usize) -> T) -> u64 {
+/// Two periods of the pattern `f`, so any phase has a whole period after it.
+fn table<T: Value>(f: impl Fn(usize) -> T) -> Vec<T> {
+    (0..2 * PERIOD).map(|i| f(i % PERIOD)).collect()
+}
+
+fn fill<T: Value>(buf: &mut [u8], table: &[T]) {
+    let buf: &mut [T] = bytemuck::cast_slice_mut(buf);
+    for chunk in buf.chunks_mut(PERIOD) {
+        chunk.copy_from_slice(&table[..chunk.len()]);
+    }
+}
+
+/// Counts elements of `buf` that differ from `table` read from `phase` on;
+/// whole periods that match byte for byte cost one comparison.
+fn count_wrong<T: Value>(buf: &[u8], table: &[T], phase: usize, n: usize) -> u64 {
     let buf: &[T] = bytemuck::cast_slice(buf);
-    // Beyond its exact range a float may round differently in another
-    // order: allow that much (a relative 2^-7 for bf16, less for the others).
-    let tol = |want: f64| {
-        if want.abs() <= T::EXACT_UP_TO {
-            0.0
-        } else {
-            want.abs() * 2.0 * n as f64 / T::EXACT_UP_TO
+    let want = &table[phase..phase + PERIOD];
+    let mut wrong = 0;
+    for chunk in buf.chunks(PERIOD) {
+        let want = &want[..chunk.len()];
+        if bytemuck::cast_slice::<T, u8>(chunk) != bytemuck::cast_slice::<T, u8>(want) {
+            wrong += chunk
+                .iter()
+                .zip(want)
+                .filter(|(g, w)| differs(**g, **w, n))
+                .count() as u64;
         }
+    }
+    wrong
+}
+
+/// Beyond its exact range a float may round differently in another order:
+/// allow that much (a relative 2n/2^8 for bf16, far less for the others).
+fn differs<T: Value>(got: T, want: T, n: usize) -> bool {
+    let (g, w) = (got.to_f64(), want.to_f64());
+    let tol = if w.abs() <= T::EXACT_UP_TO {
+        0.0
+    } else {
+        w.abs() * 2.0 * n as f64 / T::EXACT_UP_TO
     };
-    buf.iter()
-        .enumerate()
-        .filter(|(i, got)| {
-            let want = expect(*i);
-            **got != want && ((*got).to_f64() - want.to_f64()).abs() > tol(want.to_f64())
-        })
-        .count() as u64
+    got != want && !((g - w).abs() <= tol)
 }
 
 #[cfg(test)]

@@ -131,11 +131,11 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
     };
     let io = |e: std::io::Error| e.to_string();
     if rank0 {
-        print_preamble(&mut *out, &bench, launcher, algo).map_err(io)?;
+        print_preamble(&mut *out, &bench, launcher, algo, sizes[0]).map_err(io)?;
         report::header(&mut *out).map_err(io)?;
     }
     let mut rows = Vec::with_capacity(sizes.len());
-    for size in sizes {
+    for &size in &sizes {
         let row = bench.row(size).map_err(|e| e.to_string())?;
         report::row(&mut *out, &row).map_err(io)?;
         out.flush().map_err(io)?;
@@ -193,12 +193,13 @@ fn print_preamble(
         c.depth,
         c.timeout.as_secs_f64()
     )?;
-    let (iters, warmup) = args.iterations(args.minbytes.min(args.size.unwrap_or(u64::MAX)));
+    let (iters, warmup) = args.iterations(smallest);
     writeln!(
         out,
-        "# datatype {}, check {}, iterations {iters} (warmup {warmup}) at the smallest size",
+        "# datatype {}, check {}, iterations {iters} (warmup {warmup}) at {}",
         bench::describe_dtype(args.dtype),
         if args.check == 1 { "on" } else { "off" },
+        human_bytes(smallest),
     )?;
     let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
     for r in 0..comm.size() {

@@ -258,10 +258,12 @@ fn connect(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, String> {
                 tracing::debug!(%addr, "rendezvous not reachable yet: {e}");
                 std::thread::sleep(Duration::from_millis(100));
             }
-            Err(e) => return Err(format!(
+            Err(e) => {
+                return Err(format!(
                 "could not reach the rendezvous at {addr} (MASTER_ADDR:MASTER_PORT) in time: {e}; \
                      is rank 0 running, and do MASTER_ADDR/MASTER_PORT name its host and port?"
-            )),
+            ))
+            }
         }
     }
 }
