@@ -180,6 +180,7 @@ fn print_preamble(
     bench: &Bench,
     launcher: &str,
     algo: &str,
+    smallest: u64,
 ) -> std::io::Result<()> {
     let (comm, args) = (&*bench.comm, bench.args);
     let c = comm.config();
