@@ -303,7 +303,7 @@ impl Communicator {
                 self.execute(desc, algo, input, output)
             });
         if let Err(e) = &result {
-            self.abort(&e.to_string());
+            self.abort(&root_cause(e));
         }
         result
     }
@@ -421,11 +421,24 @@ impl Communicator {
 
     /// Gives up on every connection, telling each peer `reason`.
     fn abort(&mut self, reason: &str) {
-        tracing::warn!(rank = self.rank, "aborting the communicator: {reason}");
+        // The caller gets the error itself; the log only records the abort.
+        tracing::info!(rank = self.rank, "aborting the communicator: {reason}");
         for c in self.conns.iter_mut().flatten() {
             c.abort(reason);
         }
         self.aborted = Some(reason.to_string());
+    }
+}
+
+/// What to tell the peers when `e` aborts us: a peer's own abort reason is
+/// passed on as it came, so every rank names the first failure, one level deep.
+fn root_cause(e: &Error) -> String {
+    match e {
+        Error::Collective {
+            source: transport::Error::PeerAborted { reason, .. },
+            ..
+        } => reason.clone(),
+        e => e.to_string(),
     }
 }
 

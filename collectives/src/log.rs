@@ -1,5 +1,7 @@
 //! Logging behind `COLL_DEBUG`, in the spirit of `NCCL_DEBUG`.
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// Installs a stderr logger at the level `COLL_DEBUG` names (`WARN` if unset;
@@ -20,6 +22,7 @@ pub fn init() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .try_init();
 }

@@ -416,16 +416,16 @@ impl Exec<'_> {
             .min_by_key(|q| matches!(sched.ops[q.ops[0]].kind, Kind::Send))
             .expect("timed out with nothing pending");
         let op = sched.ops[stuck.ops[stuck.done]];
-        let what = if matches!(op.kind, Kind::Send) {
-            "send"
+        let (what, dir) = if matches!(op.kind, Kind::Send) {
+            ("send", "to")
         } else {
-            "receive"
+            ("receive", "from")
         };
         transport::Error::Timeout {
             peer: stuck.peer,
             waited: since.elapsed(),
             waiting_for: format!(
-                "{what} {} of {} to/from it, {} bytes, not complete",
+                "{what} {} of {} {dir} it, {} bytes, not complete",
                 stuck.done + 1,
                 stuck.ops.len(),
                 op.span.len

@@ -1,0 +1,208 @@
+//! collbench end to end: real ranks, real sockets, checked results, and the
+//! JSON a script would read.
+
+use std::path::Path;
+use std::time::Duration;
+
+use integration_tests::{free_port, run, Run};
+use serde_json::Value;
+
+fn collbench(args: &[&str]) -> Run {
+    let exe = Path::new(env!("CARGO_BIN_EXE_collbench"));
+    run(exe, args, &[], Duration::from_secs(300))
+}
+
+/// Runs a checked sweep with `--json -` and returns the document.
+fn sweep(args: &[&str]) -> Value {
+    let mut all = args.to_vec();
+    all.extend(["-c", "1", "--json", "-"]);
+    let r = collbench(&all);
+    assert!(
+        r.ok,
+        "collbench {args:?} failed:\n{}\n{}",
+        r.stdout, r.stderr
+    );
+    // With --json -, stdout holds the JSON and the table goes to stderr.
+    assert!(
+        r.stderr.contains("# Out of bounds values : 0 OK"),
+        "{}",
+        r.stderr
+    );
+    serde_json::from_str(&r.stdout).unwrap_or_else(|e| panic!("bad JSON ({e}):\n{}", r.stdout))
+}
+
+fn rows(doc: &Value) -> &Vec<Value> {
+    doc["rows"].as_array().unwrap()
+}
+
+#[test]
+fn allreduce_sweep_is_clean_and_complete() {
+    let doc = sweep(&[
+        "allreduce",
+        "-n",
+        "4",
+        "-b",
+        "8",
+        "-e",
+        "4M",
+        "-f",
+        "8",
+        "--transport",
+        "tcp",
+    ]);
+    assert_eq!(doc["nranks"], 4);
+    assert_eq!(doc["transport"], "tcp");
+    assert_eq!(doc["summary"]["wrong"], 0);
+    let sizes: Vec<u64> = rows(&doc)
+        .iter()
+        .map(|r| r["bytes"].as_u64().unwrap())
+        .collect();
+    assert_eq!(sizes, [8, 64, 512, 4096, 32768, 262144, 2097152]);
+    for r in rows(&doc) {
+        for mode in ["out_of_place", "in_place"] {
+            assert_eq!(r[mode]["wrong"], 0);
+            assert!(r[mode]["time_us"].as_f64().unwrap() > 0.0);
+        }
+        // busbw = algbw * 2(n-1)/n
+        let m = &r["out_of_place"];
+        let ratio = m["busbw_gbs"].as_f64().unwrap() / m["algbw_gbs"].as_f64().unwrap();
+        assert!((ratio - 1.5).abs() < 1e-9, "busbw/algbw = {ratio}");
+    }
+}
+
+#[test]
+fn alltoall_sweep_is_clean() {
+    let doc = sweep(&[
+        "alltoall", "-n", "3", "-b", "12", "-e", "3M", "-f", "16", "-d", "bf16",
+    ]);
+    for r in rows(&doc) {
+        // Counts are whole blocks per rank.
+        assert_eq!(r["count"].as_u64().unwrap() % 3, 0);
+        let m = &r["in_place"];
+        if m["algbw_gbs"].as_f64().unwrap() > 0.0 {
+            let ratio = m["busbw_gbs"].as_f64().unwrap() / m["algbw_gbs"].as_f64().unwrap();
+            assert!((ratio - 2.0 / 3.0).abs() < 1e-9, "busbw/algbw = {ratio}");
+        }
+    }
+}
+
+#[test]
+fn every_dtype_and_op_checks_clean() {
+    for dtype in [
+        "float", "double", "half", "bfloat16", "int8", "uint8", "int32", "uint32", "int64",
+        "uint64",
+    ] {
+        for op in ["sum", "prod", "min", "max", "avg"] {
+            let doc = sweep(&[
+                "allreduce",
+                "-n",
+                "3",
+                "-b",
+                "1",
+                "-e",
+                "300K",
+                "-f",
+                "17",
+                "-d",
+                dtype,
+                "-o",
+                op,
+                "--chunk",
+                "16K",
+            ]);
+            assert_eq!(doc["summary"]["wrong"], 0, "{dtype} {op}");
+        }
+    }
+}
+
+#[test]
+fn ranks_started_by_hand_form_one_job() {
+    let exe = Path::new(env!("CARGO_BIN_EXE_collbench"));
+    let port = free_port().to_string();
+    let env = |rank: &'static str| {
+        let port = port.clone();
+        move || {
+            let vars = [
+                ("RANK", rank),
+                ("WORLD_SIZE", "2"),
+                ("MASTER_ADDR", "127.0.0.1"),
+                ("MASTER_PORT", port.as_str()),
+            ];
+            run(
+                exe,
+                &["allreduce", "-b", "1K", "-e", "64K", "-f", "8", "-c", "1"],
+                &vars,
+                Duration::from_secs(60),
+            )
+        }
+    };
+    let r1 = std::thread::spawn(env("1"));
+    let r0 = env("0")();
+    let r1 = r1.join().unwrap();
+    assert!(r0.ok && r1.ok, "{}\n{}", r0.stderr, r1.stderr);
+    assert!(
+        r0.stdout
+            .contains("2 ranks (environment (RANK, WORLD_SIZE))"),
+        "{}",
+        r0.stdout
+    );
+    assert!(r0.stdout.contains("# Out of bounds values : 0 OK"));
+    assert!(r1.stdout.is_empty(), "only rank 0 prints: {}", r1.stdout);
+}
+
+#[test]
+fn bad_requests_fail_with_a_message() {
+    let r = collbench(&[
+        "allreduce",
+        "-n",
+        "2",
+        "--algo",
+        "nosuch",
+        "-b",
+        "8",
+        "-e",
+        "8",
+    ]);
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("no allreduce algorithm named 'nosuch' (available: ring)"),
+        "{}",
+        r.stderr
+    );
+    let r = collbench(&["allreduce", "-n", "2", "--size", "1Q"]);
+    assert!(!r.ok);
+    assert!(r.stderr.contains("not a size"), "{}", r.stderr);
+    let r = collbench(&["allreduce", "-n", "2", "-d", "complex"]);
+    assert!(!r.ok);
+    assert!(r.stderr.contains("unknown datatype"), "{}", r.stderr);
+}
+
+#[test]
+fn help_teaches() {
+    let r = collbench(&["allreduce", "--help"]);
+    assert!(r.ok);
+    for needle in [
+        "--nranks",
+        "--minbytes",
+        "--stepfactor",
+        "--check",
+        "--dtype",
+        "--json",
+        "busbw",
+        "mpirun",
+        "COLL_DEBUG",
+    ] {
+        assert!(
+            r.stdout.contains(needle),
+            "--help lacks {needle}:\n{}",
+            r.stdout
+        );
+    }
+    let r = collbench(&["algorithms"]);
+    assert!(
+        r.ok && r.stdout.contains("ring") && r.stdout.contains("pairwise"),
+        "{}",
+        r.stdout
+    );
+}

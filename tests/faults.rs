@@ -1,0 +1,219 @@
+//! Failures become errors that name the rank, the peer and the operation,
+//! within the timeout, never hangs; and the launcher leaves no process behind.
+
+use std::net::TcpListener;
+use std::path::Path;
+use std::time::Duration;
+
+use integration_tests::{alive, free_port, run, worker_pids, Run};
+
+fn worker() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_coll-worker"))
+}
+
+/// Runs `coll-worker --ranks N MODE..` with a short timeout.
+fn job(ranks: usize, mode: &[&str], timeout_s: &str) -> Run {
+    let n = ranks.to_string();
+    let mut args = vec!["--ranks", &n];
+    args.extend_from_slice(mode);
+    run(
+        worker(),
+        &args,
+        &[("COLL_TIMEOUT", timeout_s)],
+        Duration::from_secs(60),
+    )
+}
+
+/// Every listed rank printed an error naming itself and the operation.
+fn assert_named(r: &Run, ranks: &[usize], op: &str) {
+    for rank in ranks {
+        let prefix = format!("rank {rank}: {op}");
+        assert!(
+            r.stderr
+                .lines()
+                .any(|l| l.starts_with(&prefix) && l.contains("peer rank")),
+            "no error of rank {rank} naming {op} and a peer in:\n{}",
+            r.stderr
+        );
+    }
+}
+
+fn assert_all_gone(r: &Run) {
+    for pid in worker_pids(&r.stdout) {
+        assert!(!alive(pid), "process {pid} outlived its job");
+    }
+}
+
+#[test]
+fn a_killed_rank_fails_the_others_quickly() {
+    let r = job(4, &["die"], "20");
+    assert!(!r.ok);
+    assert!(
+        r.stderr.contains("rank 1 was killed by signal 9"),
+        "{}",
+        r.stderr
+    );
+    // The neighbours see the connection close at once; the others hear
+    // why from them. Nobody waits for the 20 s timeout.
+    assert_named(&r, &[0, 2, 3], "allreduce #");
+    assert!(
+        r.stderr.contains("peer rank 1 closed the connection"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
+    assert_all_gone(&r);
+}
+
+#[test]
+fn a_silent_rank_times_out_with_the_peer_named() {
+    let r = job(3, &["stall"], "2");
+    assert!(!r.ok);
+    assert!(r.stderr.contains("timed out after"), "{}", r.stderr);
+    assert!(r.stderr.contains("waiting for peer rank 1"), "{}", r.stderr);
+    assert_named(&r, &[0, 2], "allreduce #");
+    // The stopped rank is killed once the grace period after the first
+    // failure is over.
+    assert!(
+        r.stderr.contains("rank 1 was still running"),
+        "{}",
+        r.stderr
+    );
+    assert_all_gone(&r);
+}
+
+#[test]
+fn disagreeing_ranks_are_told_what_differs() {
+    for (kind, theirs) in [
+        ("count", "allreduce #1 (1023 x f32, sum)"),
+        ("dtype", "allreduce #1 (1024 x i32, sum)"),
+        ("op", "allreduce #1 (1024 x f32, max)"),
+    ] {
+        let r = job(3, &["mismatch", kind], "10");
+        assert!(!r.ok, "{kind}");
+        assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);
+        assert!(
+            r.stderr.contains(theirs) || r.stderr.contains("allreduce #1 (1024 x f32, sum)"),
+            "{kind}: {}",
+            r.stderr
+        );
+        assert!(
+            r.elapsed < Duration::from_secs(8),
+            "{kind} took {:?}",
+            r.elapsed
+        );
+        assert_all_gone(&r);
+    }
+}
+
+#[test]
+fn a_rank_that_never_arrives_is_named() {
+    let r = job(3, &["late"], "2");
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("rank(s) [1] of 3 did not reach the rendezvous"),
+        "{}",
+        r.stderr
+    );
+    assert_all_gone(&r);
+}
+
+/// One rank of a two-rank job started by hand, torchrun style.
+fn env_rank(rank: &str, addr: &str, port: &str, timeout: &str) -> Run {
+    let env = [
+        ("RANK", rank),
+        ("WORLD_SIZE", "2"),
+        ("MASTER_ADDR", addr),
+        ("MASTER_PORT", port),
+        ("COLL_TIMEOUT", timeout),
+    ];
+    run(worker(), &["pingpong", "5"], &env, Duration::from_secs(30))
+}
+
+#[test]
+fn an_unreachable_master_is_reported() {
+    let port = free_port().to_string();
+    let r = env_rank("1", "127.0.0.1", &port, "2");
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("rank 1: bootstrap failed: could not reach the rendezvous at 127.0.0.1:"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("MASTER_ADDR"), "{}", r.stderr);
+
+    let r = env_rank("1", "no-such-host.invalid", &port, "2");
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("cannot resolve MASTER_ADDR 'no-such-host.invalid'"),
+        "{}",
+        r.stderr
+    );
+
+    let r = env_rank("0", "192.0.2.1", &port, "2");
+    assert!(!r.ok);
+    assert!(
+        r.stderr.contains("is not an address of this host"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn a_port_in_use_is_reported() {
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let r = env_rank("0", "127.0.0.1", &port, "2");
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains(&format!("port {port} on 127.0.0.1 is already in use")),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
+    use std::io::Write;
+    let port = free_port();
+    let p = port.to_string();
+    let rank0 = {
+        let p = p.clone();
+        std::thread::spawn(move || env_rank("0", "127.0.0.1", &p, "20"))
+    };
+    // Knock on the rendezvous before rank 1 arrives: garbage, then a
+    // well-formed message of another job.
+    let knock = |bytes: &[u8]| {
+        for _ in 0..100 {
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                let _ = s.write_all(bytes);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("rank 0's rendezvous never came up");
+    };
+    knock(b"GET / HTTP/1.0\r\n\r\n");
+    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"addresses":{}}}"#;
+    let mut msg = (other_job.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(other_job);
+    knock(&msg);
+    let r1 = env_rank("1", "127.0.0.1", &p, "20");
+    let r0 = rank0.join().unwrap();
+    assert!(
+        r0.ok && r1.ok,
+        "rank 0:\n{}\nrank 1:\n{}",
+        r0.stderr,
+        r1.stderr
+    );
+    assert!(r0.stderr.contains("from another job"), "{}", r0.stderr);
+    assert!(
+        r0.stderr.contains("rendezvous ignored a connection"),
+        "{}",
+        r0.stderr
+    );
+}
