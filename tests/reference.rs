@@ -140,14 +140,14 @@ fn alltoall_case(
         .map_err(e)?;
     }
     let got = decode(dtype, out.view());
-    for i in 0..count {
+    for (i, &got) in got.iter().enumerate() {
         let (from, k) = (i / block, i % block);
         let want = inputs[from][me * block + k];
-        if got[i] != want {
+        if got != want {
             return Ok(Some(format!(
                 "alltoall {dtype} block {block} {}: element {i} is {:?}, expected {want:?} (from rank {from})",
                 place(in_place),
-                got[i]
+                got
             )));
         }
     }

@@ -337,7 +337,7 @@ impl Communicator {
                 output.len()
             ));
         }
-        for b in input.into_iter().chain([&*output]) {
+        for b in input.into_iter().chain([output]) {
             if b.as_ptr() as usize % elem != 0 {
                 return bad(format!(
                     "{collective}: buffer at {:p} is not aligned for {dtype}",
@@ -491,6 +491,9 @@ fn meet(
     table
 }
 
+/// Connections from higher ranks, as the accepting thread collects them.
+type Accepted = Vec<(Rank, Box<dyn Connection>)>;
+
 /// Connects every pair of ranks once: each rank dials the lower ranks and
 /// accepts the higher ones, both at the same time.
 fn connect_mesh(
@@ -503,33 +506,31 @@ fn connect_mesh(
     let size = table.peers.len();
     let token = table.session;
     let expected = size - 1 - rank;
-    let acceptor = std::thread::spawn(
-        move || -> std::result::Result<Vec<(Rank, Box<dyn Connection>)>, String> {
-            let mut got: Vec<(Rank, Box<dyn Connection>)> = Vec::with_capacity(expected);
-            while got.len() < expected {
-                match listener.accept(token, rank, deadline) {
-                    Ok((peer, conn))
-                        if peer > rank && peer < size && !got.iter().any(|(r, _)| *r == peer) =>
-                    {
-                        got.push((peer, conn))
-                    }
-                    Ok((peer, _)) => {
-                        tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
-                    }
-                    Err(e) => {
-                        let missing: Vec<Rank> = (rank + 1..size)
-                            .filter(|r| !got.iter().any(|(g, _)| g == r))
-                            .collect();
-                        return Err(format!("rank(s) {missing:?} never connected: {e}"));
-                    }
+    let acceptor = std::thread::spawn(move || -> std::result::Result<Accepted, String> {
+        let mut got: Accepted = Vec::with_capacity(expected);
+        while got.len() < expected {
+            match listener.accept(token, rank, deadline) {
+                Ok((peer, conn))
+                    if peer > rank && peer < size && !got.iter().any(|(r, _)| *r == peer) =>
+                {
+                    got.push((peer, conn))
+                }
+                Ok((peer, _)) => {
+                    tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
+                }
+                Err(e) => {
+                    let missing: Vec<Rank> = (rank + 1..size)
+                        .filter(|r| !got.iter().any(|(g, _)| g == r))
+                        .collect();
+                    return Err(format!("rank(s) {missing:?} never connected: {e}"));
                 }
             }
-            Ok(got)
-        },
-    );
+        }
+        Ok(got)
+    });
     let mut conns: Vec<Option<Box<dyn Connection>>> = (0..size).map(|_| None).collect();
     let mut first_error = None;
-    for peer in 0..rank {
+    for (peer, slot) in conns.iter_mut().enumerate().take(rank) {
         let blob = table.peers[peer]
             .addresses
             .get(transport.name())
@@ -541,7 +542,7 @@ fn connect_mesh(
             to: peer,
         };
         match transport.connect(&blob, hello, deadline) {
-            Ok(c) => conns[peer] = Some(c),
+            Ok(c) => *slot = Some(c),
             Err(e) => {
                 first_error = Some(format!("could not connect to rank {peer}: {e}"));
                 break;

@@ -136,7 +136,7 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .trim()
         .parse()
         .map_err(|_| format!("'{t}' is not a size (examples: 8, 64K, 1M, 1G)"))?;
-    if !(v >= 0.0) || !v.is_finite() {
+    if v.is_nan() || v < 0.0 || !v.is_finite() {
         return Err(format!("'{t}' is not a size"));
     }
     Ok((v * mult as f64).round() as u64)

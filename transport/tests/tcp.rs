@@ -84,7 +84,7 @@ fn messages_arrive_whole_and_in_order() {
 fn a_different_length_or_tag_is_a_mismatch() {
     let (mut c0, mut c1) = pair();
     let t = TcpTransport::new(LOOPBACK, TcpOptions::default());
-    let buf = vec![0u8; 64];
+    let buf = [0u8; 64];
     let r = t.register(buf.as_ptr(), 64).unwrap();
     // SAFETY: buf outlives the requests.
     unsafe {
@@ -111,7 +111,7 @@ fn a_different_length_or_tag_is_a_mismatch() {
 fn an_abort_reaches_the_peer_with_its_reason() {
     let (mut c0, mut c1) = pair();
     let t = TcpTransport::new(LOOPBACK, TcpOptions::default());
-    let buf = vec![0u8; 16];
+    let buf = [0u8; 16];
     let r = t.register(buf.as_ptr(), 16).unwrap();
     c1.abort("rank 1 gave up: testing");
     // SAFETY: buf outlives the request.
@@ -127,7 +127,7 @@ fn an_abort_reaches_the_peer_with_its_reason() {
 fn a_dead_peer_is_closed_not_a_hang() {
     let (mut c0, c1) = pair();
     let t = TcpTransport::new(LOOPBACK, TcpOptions::default());
-    let buf = vec![0u8; 16];
+    let buf = [0u8; 16];
     let r = t.register(buf.as_ptr(), 16).unwrap();
     drop(c1);
     // SAFETY: buf outlives the request.
