@@ -48,7 +48,9 @@ pub fn run(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration)
                 return;
             }
         }
-        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
     });
     let Output {
         status,

@@ -40,17 +40,21 @@ fn main() -> ExitCode {
         Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
             launch_local(n, &args)
         }
-        _ => run_rank(collective, &args),
+        _ => run_rank(collective, &args).map(|clean| if clean { 0 } else { WRONG_VALUES }),
     };
     match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::from(1),
+        Ok(code) => ExitCode::from(code),
         Err(e) => {
             eprintln!("collbench: {e}");
-            ExitCode::from(2)
+            ExitCode::from(FAILED)
         }
     }
 }
+
+/// Exit status when some result was wrong.
+const WRONG_VALUES: u8 = 1;
+/// Exit status when a rank failed.
+const FAILED: u8 = 2;
 
 /// Whether a launcher already made this process one rank of a job.
 fn under_launcher() -> bool {
@@ -59,8 +63,9 @@ fn under_launcher() -> bool {
         .any(|v| std::env::var_os(v).is_some())
 }
 
-/// Starts `n` ranks of this very command and waits for them.
-fn launch_local(n: usize, args: &BenchArgs) -> Result<bool, String> {
+/// Starts `n` ranks of this very command and waits for them; the exit status
+/// is the ranks' (1: wrong values only, 2: a rank failed).
+fn launch_local(n: usize, args: &BenchArgs) -> Result<u8, String> {
     if n == 0 {
         return Err("-n must be at least 1".into());
     }
@@ -76,7 +81,11 @@ fn launch_local(n: usize, args: &BenchArgs) -> Result<bool, String> {
     for f in &outcome.failures {
         eprintln!("collbench: {f}");
     }
-    Ok(outcome.success())
+    Ok(match outcome.worst_status {
+        0 => 0,
+        WRONG_VALUES => WRONG_VALUES,
+        _ => FAILED,
+    })
 }
 
 fn timeout(args: &BenchArgs) -> Result<Duration, String> {

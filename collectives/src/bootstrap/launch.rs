@@ -27,11 +27,19 @@ pub struct Launch {
 #[derive(Debug, Default)]
 pub struct Outcome {
     pub failures: Vec<String>,
+    /// The largest exit status of a failed rank; 255 for a rank that died of
+    /// a signal or was killed by the launcher.
+    pub worst_status: u8,
 }
 
 impl Outcome {
     pub fn success(&self) -> bool {
         self.failures.is_empty()
+    }
+
+    fn failed(&mut self, line: String, status: u8) {
+        self.failures.push(line);
+        self.worst_status = self.worst_status.max(status);
     }
 }
 
@@ -95,7 +103,8 @@ fn supervise(children: &mut [Option<Child>], grace: Duration) -> Outcome {
             let Some(child) = slot else { continue };
             if let Ok(Some(status)) = child.try_wait() {
                 if !status.success() {
-                    outcome.failures.push(describe(rank, status));
+                    let code = status.code().map_or(255, |c| c.clamp(1, 255) as u8);
+                    outcome.failed(describe(rank, status), code);
                     failed_at.get_or_insert_with(Instant::now);
                 }
                 *slot = None;
@@ -104,10 +113,11 @@ fn supervise(children: &mut [Option<Child>], grace: Duration) -> Outcome {
         if failed_at.is_some_and(|t| t.elapsed() > grace) {
             for (rank, slot) in children.iter().enumerate() {
                 if slot.is_some() {
-                    outcome.failures.push(format!(
+                    let line = format!(
                         "rank {rank} was still running {}s after the first failure and was killed",
                         grace.as_secs()
-                    ));
+                    );
+                    outcome.failed(line, 255);
                 }
             }
             kill_all(children);
