@@ -42,6 +42,8 @@ pub struct Communicator {
     config: Config,
     seq: u32,
     aborted: Option<String>,
+    /// Collectives whose algorithm choice has been logged.
+    announced: Vec<Collective>,
 }
 
 impl Communicator {
@@ -110,6 +112,7 @@ impl Communicator {
                 boot.local_rank
             );
         }
+        log_peers(rank, &table, transport.name());
         tracing::info!(
             rank,
             size = boot.size,
@@ -134,6 +137,7 @@ impl Communicator {
             config,
             seq: 0,
             aborted: None,
+            announced: Vec::new(),
         })
     }
 
@@ -300,6 +304,7 @@ impl Communicator {
             .check_args(collective, input, output, dtype)
             .and_then(|()| {
                 let algo = self.algorithm(collective)?;
+                self.announce(collective, algo);
                 self.execute(desc, algo, input, output)
             });
         if let Err(e) = &result {
@@ -419,6 +424,25 @@ impl Communicator {
             .map_err(|e| Error::collective(rank, desc, e))
     }
 
+    /// Logs, once per collective, which algorithm runs it and why.
+    fn announce(&mut self, collective: Collective, algo: &Algorithm) {
+        if self.announced.contains(&collective) {
+            return;
+        }
+        self.announced.push(collective);
+        let why = match self.config.forced_algo(collective.name()) {
+            Some(_) => "forced by COLL_ALGO or --algo",
+            None => "the default (the only one registered)",
+        };
+        tracing::info!(
+            rank = self.rank,
+            chunk = self.config.chunk_bytes,
+            depth = self.config.depth,
+            "{collective}: algorithm {}, {why}",
+            algo.name
+        );
+    }
+
     /// Gives up on every connection, telling each peer `reason`.
     fn abort(&mut self, reason: &str) {
         // The caller gets the error itself; the log only records the abort.
@@ -466,6 +490,35 @@ fn local_ip_towards(dest: SocketAddr) -> IpAddr {
         Ok(s.local_addr()?.ip())
     };
     probe().unwrap_or(dest.ip())
+}
+
+/// One INFO line naming every peer, its host and address.
+fn log_peers(rank: Rank, table: &Table, transport: &str) {
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let me = &table.peers[rank];
+    let peers: Vec<String> = table
+        .peers
+        .iter()
+        .filter(|p| p.rank != rank)
+        .map(|p| {
+            let addr = p
+                .addresses
+                .get(transport)
+                .and_then(|h| rendezvous::from_hex(h));
+            let addr = addr
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            let place = if p.host_id == me.host_id {
+                "same host"
+            } else {
+                p.hostname.as_str()
+            };
+            format!("{} ({place}, {addr})", p.rank)
+        })
+        .collect();
+    tracing::info!(rank, "connected over {transport} to {}", peers.join(", "));
 }
 
 /// Hosts the rendezvous if it is ours to host, then joins it.

@@ -224,7 +224,7 @@ impl Exec<'_> {
             for q in &mut queues {
                 moved |= self.post_ready(sched, q, &mut run)?;
             }
-            for (_, conn) in self.involved(&involved) {
+            for conn in self.involved(&involved) {
                 moved |= conn.progress()?;
             }
             for q in &mut queues {
@@ -235,7 +235,7 @@ impl Exec<'_> {
                 last_progress = Instant::now();
             } else {
                 let deadline = last_progress + self.timeout;
-                let conns = self.involved(&involved).map(|(_, c)| c);
+                let conns = self.involved(&involved);
                 if !poller.idle(conns, deadline)? {
                     return Err(self.timeout_error(sched, &queues, last_progress));
                 }
@@ -247,12 +247,12 @@ impl Exec<'_> {
     fn involved<'b>(
         &'b mut self,
         involved: &'b [bool],
-    ) -> impl Iterator<Item = (Rank, &'b mut Box<dyn Connection>)> + 'b {
+    ) -> impl Iterator<Item = &'b mut Box<dyn Connection>> + 'b {
         self.peers
             .iter_mut()
-            .enumerate()
-            .filter(|(r, _)| involved[*r])
-            .filter_map(|(r, c)| c.as_mut().map(|c| (r, c)))
+            .zip(involved)
+            .filter(|(_, inv)| **inv)
+            .filter_map(|(c, _)| c.as_mut())
     }
 
     /// Posts the queue's next ops while the window, dependencies and staging allow.
