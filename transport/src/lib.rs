@@ -52,6 +52,9 @@ pub use error::{Error, Result};
 pub use memory::{MemRegion, RegistrationCache};
 pub use poller::Poller;
 
+#[cfg(target_os = "linux")]
+pub mod shm;
+
 /// Index of a process in the job, `0..world_size`.
 pub type Rank = usize;
 
@@ -90,6 +93,17 @@ pub(crate) enum Direction {
 pub struct Interest {
     pub readable: bool,
     pub writable: bool,
+}
+
+/// How a connection that made no progress wants its caller to wait.
+#[derive(Debug)]
+pub enum Wake<'a> {
+    /// Nothing is pending: no reason to wait on this connection.
+    Idle,
+    /// Progress became possible while preparing to sleep: do not sleep.
+    Now,
+    /// Sleep until this descriptor has this readiness (or the deadline).
+    On(BorrowedFd<'a>, Interest),
 }
 
 /// A way of moving bytes between ranks (TCP, shared memory, verbs).
@@ -174,11 +188,11 @@ pub trait Connection: Send {
     /// Number of posted requests not yet complete.
     fn pending(&self) -> usize;
 
-    /// The descriptor to sleep on and the readiness that would let
-    /// [`progress`](Self::progress) move again; `None` when nothing is pending.
-    /// Called only after a `progress` that moved nothing (verbs arms its
-    /// completion channel here).
-    fn wake_source(&mut self) -> Option<(BorrowedFd<'_>, Interest)>;
+    /// Prepares to sleep: what would let [`progress`](Self::progress) move
+    /// again. Called only after a `progress` that moved nothing; verbs arms
+    /// its completion channel here, shared memory raises its "sleeping" flag
+    /// so the peer rings the doorbell, and either may find work meanwhile.
+    fn wake_source(&mut self) -> Wake<'_>;
 
     /// Gives up on the connection: tells the peer why (best effort, bounded
     /// time), forgets all posted requests and fails every later call. After it

@@ -4,38 +4,39 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-use crate::{Connection, Error, Result};
+use crate::{Connection, Error, Result, Wake};
 
-/// Decides what an idle progress loop does: spin a little (a peer's reply is
-/// often microseconds away), then sleep in `poll(2)` on every connection's
-/// wake-up descriptor, so oversubscribed ranks (8 on 2 cores) give their core
-/// to the rank that has work instead of burning it.
+/// Decides what an idle progress loop does: spin for a while (a peer's
+/// reply is often microseconds away, and over shared memory a spin round is
+/// a few loads), then sleep in `poll(2)` on every connection's wake-up
+/// descriptor, so oversubscribed ranks (8 on 2 cores) give their core to the
+/// rank that has work instead of burning it.
 #[derive(Debug)]
 pub struct Poller {
-    spin_rounds: u32,
-    idle_rounds: u32,
+    spin: Duration,
+    idle_since: Option<Instant>,
 }
 
 impl Default for Poller {
     fn default() -> Self {
-        Self::new(Self::DEFAULT_SPIN_ROUNDS)
+        Self::new(Self::DEFAULT_SPIN)
     }
 }
 
 impl Poller {
-    /// Idle rounds before sleeping: about 10 us of non-blocking retries.
-    pub const DEFAULT_SPIN_ROUNDS: u32 = 16;
+    /// How long an idle loop spins before it sleeps.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(20);
 
-    pub fn new(spin_rounds: u32) -> Self {
+    pub fn new(spin: Duration) -> Self {
         Poller {
-            spin_rounds,
-            idle_rounds: 0,
+            spin,
+            idle_since: None,
         }
     }
 
     /// Call after a round in which something moved.
     pub fn busy(&mut self) {
-        self.idle_rounds = 0;
+        self.idle_since = None;
     }
 
     /// Call after a round in which nothing moved. Returns `Ok(false)` once
@@ -49,8 +50,8 @@ impl Poller {
         if now >= deadline {
             return Ok(false);
         }
-        self.idle_rounds += 1;
-        if self.idle_rounds <= self.spin_rounds {
+        let since = *self.idle_since.get_or_insert(now);
+        if now - since < self.spin {
             std::hint::spin_loop();
             return Ok(true);
         }
@@ -59,20 +60,25 @@ impl Poller {
     }
 }
 
-/// Blocks until one connection's descriptor is ready or `timeout` passes.
+/// Blocks until one connection's descriptor is ready or `timeout` passes;
+/// returns at once if a connection can progress already.
 fn sleep_until_ready<'a>(
     conns: impl Iterator<Item = &'a mut Box<dyn Connection>>,
     timeout: Duration,
 ) -> Result<()> {
-    let mut fds: Vec<PollFd<'_>> = conns
-        .filter_map(|c| c.wake_source())
-        .map(|(fd, want)| {
-            let mut flags = PollFlags::empty();
-            flags.set(PollFlags::IN, want.readable);
-            flags.set(PollFlags::OUT, want.writable);
-            PollFd::from_borrowed_fd(fd, flags)
-        })
-        .collect();
+    let mut fds: Vec<PollFd<'_>> = Vec::new();
+    for conn in conns {
+        match conn.wake_source() {
+            Wake::Idle => {}
+            Wake::Now => return Ok(()),
+            Wake::On(fd, want) => {
+                let mut flags = PollFlags::empty();
+                flags.set(PollFlags::IN, want.readable);
+                flags.set(PollFlags::OUT, want.writable);
+                fds.push(PollFd::from_borrowed_fd(fd, flags));
+            }
+        }
+    }
     if fds.is_empty() {
         // Nothing to wake us: the caller waits on itself. Sleep briefly instead
         // of spinning; its deadline still bounds the wait.

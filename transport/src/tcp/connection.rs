@@ -3,13 +3,13 @@
 use std::collections::VecDeque;
 use std::io::{ErrorKind, IoSlice, Read, Write};
 use std::net::{Shutdown, TcpStream};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::AsFd;
 use std::time::{Duration, Instant};
 
 use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
 
 use crate::wire::{self, Frame, HEADER_LEN};
-use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag};
+use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
 
 /// How long `abort` may spend telling the peer.
 const ABORT_PATIENCE: Duration = Duration::from_secs(1);
@@ -329,12 +329,16 @@ impl Connection for TcpConnection {
         self.sends.len() + self.recvs.len()
     }
 
-    fn wake_source(&mut self) -> Option<(BorrowedFd<'_>, Interest)> {
+    fn wake_source(&mut self) -> Wake<'_> {
         let want = Interest {
             readable: !self.recvs.is_empty(),
             writable: !self.sends.is_empty(),
         };
-        (want.readable || want.writable).then(|| (self.stream.as_fd(), want))
+        if want.readable || want.writable {
+            Wake::On(self.stream.as_fd(), want)
+        } else {
+            Wake::Idle
+        }
     }
 
     fn abort(&mut self, reason: &str) {

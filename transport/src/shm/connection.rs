@@ -1,0 +1,478 @@
+//! One peer on the same host: two slot rings in a shared segment, and a Unix
+//! socket beside them that is the doorbell (a byte wakes a sleeping peer),
+//! the abort channel, and the death detector (it hangs up when the peer's
+//! process dies, however it dies).
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{fence, Ordering};
+use std::time::Duration;
+
+use super::segment::{Desc, Kind, Segment, EAGER_MAX, OBSERVE, PUBLISH, SLOTS, SLOT_BYTES};
+use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
+
+/// Doorbell byte: "look at the rings".
+const RING: u8 = 1;
+/// Abort byte, followed by a u32 length and the reason.
+const ABORT: u8 = 2;
+
+pub struct ShmConnection {
+    seg: Segment,
+    ctl: UnixStream,
+    peer: Rank,
+    peer_pid: i32,
+    /// 0 for the side that created the segment, 1 for the other.
+    side: usize,
+    /// Whether the receiver may read large messages from the sender's memory.
+    remote_reads: bool,
+    sends: VecDeque<Outgoing>,
+    /// Index in `sends` of the first message not fully published.
+    publishing: usize,
+    recvs: VecDeque<Incoming>,
+    posted: [u64; 2],
+    done: [u64; 2],
+    /// Our cursors: next slot to publish (producer) and to consume (consumer).
+    head: u64,
+    tail: u64,
+    /// Set when we slept on the socket: drain it on the next progress.
+    woke: bool,
+    failed: Option<Error>,
+}
+
+// SAFETY: raw pointers in the queues point into memory the poster keeps
+// valid for the request's lifetime (isend/irecv contract).
+unsafe impl Send for ShmConnection {}
+
+struct Outgoing {
+    data: *const u8,
+    len: usize,
+    tag: Tag,
+    /// Bytes already placed in slots (or described, for remote reads).
+    published: usize,
+    /// Slot sequence number of the last fragment, once published.
+    last_slot: Option<u64>,
+}
+
+struct Incoming {
+    data: *mut u8,
+    len: usize,
+    tag: Tag,
+    received: usize,
+}
+
+impl ShmConnection {
+    pub(crate) fn new(
+        seg: Segment,
+        ctl: UnixStream,
+        peer: Rank,
+        peer_pid: i32,
+        side: usize,
+        remote_reads: bool,
+    ) -> Result<Self> {
+        ctl.set_nonblocking(true)
+            .map_err(|e| Error::io(Some(peer), "configure socket", &e))?;
+        Ok(ShmConnection {
+            seg,
+            ctl,
+            peer,
+            peer_pid,
+            side,
+            remote_reads,
+            sends: VecDeque::new(),
+            publishing: 0,
+            recvs: VecDeque::new(),
+            posted: [0; 2],
+            done: [0; 2],
+            head: 0,
+            tail: 0,
+            woke: false,
+            failed: None,
+        })
+    }
+
+    /// The direction we produce on, and the one we consume.
+    fn out_dir(&self) -> usize {
+        self.side
+    }
+
+    fn in_dir(&self) -> usize {
+        1 - self.side
+    }
+
+    fn post(&mut self, dir: Direction) -> Request {
+        self.posted[dir as usize] += 1;
+        Request {
+            dir,
+            seq: self.posted[dir as usize],
+        }
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        self.failed.clone().map_or(Ok(()), Err)
+    }
+
+    /// Publishes fragments while there are free slots, then retires sends
+    /// whose last slot the peer has handed back.
+    fn progress_sends(&mut self) -> Result<bool> {
+        let dir = self.out_dir();
+        let mut moved = false;
+        let mut freed = self.seg.tail(dir).load(OBSERVE);
+        while self.publishing < self.sends.len() && self.head - freed < SLOTS {
+            self.publish_fragment(self.publishing);
+            moved = true;
+            if self.sends[self.publishing].last_slot.is_some() {
+                self.publishing += 1;
+            }
+            if self.head - freed == SLOTS {
+                freed = self.seg.tail(dir).load(OBSERVE);
+            }
+        }
+        if moved {
+            self.seg.head(dir).store(self.head, PUBLISH);
+            self.ring_peer()?;
+        }
+        while let Some(last) = self.sends.front().and_then(|s| s.last_slot) {
+            if last >= freed {
+                break;
+            }
+            self.sends.pop_front();
+            self.publishing -= 1;
+            self.done[Direction::Send as usize] += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Writes the next fragment of send `i` into slot `self.head`.
+    fn publish_fragment(&mut self, i: usize) {
+        let (dir, seq) = (self.out_dir(), self.head);
+        let remote_reads = self.remote_reads;
+        let out = &mut self.sends[i];
+        let remote = remote_reads && out.len > EAGER_MAX;
+        let len = if remote {
+            out.len
+        } else {
+            (out.len - out.published).min(SLOT_BYTES)
+        };
+        let desc = Desc {
+            tag: out.tag,
+            msg_len: out.len as u64,
+            offset: out.published as u64,
+            len: len as u64,
+            remote: if remote { out.data as u64 } else { 0 },
+            kind: if remote { Kind::Remote } else { Kind::Eager } as u32,
+        };
+        if !remote {
+            // SAFETY: the isend contract keeps data..data+len readable; the
+            // slot is unpublished, so the peer does not read it yet.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    out.data.add(out.published),
+                    self.seg.slot_data(dir, seq),
+                    len,
+                )
+            };
+        }
+        self.seg.write_desc(dir, seq, desc);
+        out.published += len;
+        if out.published == out.len {
+            out.last_slot = Some(seq);
+        }
+        self.head += 1;
+    }
+
+    /// Consumes published slots into posted receives.
+    fn progress_recvs(&mut self) -> Result<bool> {
+        let dir = self.in_dir();
+        let mut moved = false;
+        let mut available = self.seg.head(dir).load(OBSERVE);
+        while !self.recvs.is_empty() && self.tail < available {
+            let desc = self.seg.read_desc(dir, self.tail);
+            self.take_fragment(desc)?;
+            self.tail += 1;
+            self.seg.tail(dir).store(self.tail, PUBLISH);
+            moved = true;
+            if self.tail == available {
+                available = self.seg.head(dir).load(OBSERVE);
+            }
+        }
+        if moved {
+            self.ring_peer()?;
+        }
+        Ok(moved)
+    }
+
+    /// Copies (or reads remotely) one fragment into the front receive.
+    fn take_fragment(&mut self, desc: Desc) -> Result<()> {
+        let (dir, seq, peer, pid) = (self.in_dir(), self.tail, self.peer, self.peer_pid);
+        let inc = self.recvs.front_mut().expect("a receive is posted");
+        if desc.offset == 0 && (desc.tag != inc.tag || desc.msg_len as usize != inc.len) {
+            return Err(Error::Mismatch {
+                peer,
+                expected_tag: inc.tag,
+                expected_len: inc.len,
+                got_tag: desc.tag,
+                got_len: desc.msg_len as usize,
+            });
+        }
+        let (offset, len) = (desc.offset as usize, desc.len as usize);
+        if offset != inc.received || offset + len > inc.len {
+            return Err(Error::Invalid(format!(
+                "peer rank {peer} sent a fragment out of order"
+            )));
+        }
+        // SAFETY: the irecv contract makes data..data+len ours to write, and
+        // the range was checked against it.
+        let dst = unsafe { inc.data.add(offset) };
+        if desc.kind == Kind::Remote as u32 {
+            read_remote(pid, desc.remote as usize, dst, len).map_err(|e| {
+                match e.raw_os_error() {
+                    Some(libc::ESRCH) => Error::Closed { peer },
+                    _ => Error::io(Some(peer), "process_vm_readv", &e),
+                }
+            })?;
+        } else {
+            // SAFETY: the slot is published to us and holds len bytes.
+            unsafe { std::ptr::copy_nonoverlapping(self.seg.slot_data(dir, seq), dst, len) };
+        }
+        inc.received += len;
+        if inc.received == inc.len {
+            self.recvs.pop_front();
+            self.done[Direction::Recv as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// Wakes the peer if it sleeps. The fence pairs with the one in
+    /// `wake_source`: either the peer sees our ring update before it sleeps,
+    /// or we see its flag here.
+    fn ring_peer(&mut self) -> Result<()> {
+        fence(Ordering::SeqCst);
+        let flag = self.seg.sleeping(1 - self.side);
+        if flag.load(Ordering::Relaxed) == 1 && flag.swap(0, Ordering::SeqCst) == 1 {
+            match self.ctl.write(&[RING]) {
+                // A full socket already holds a wake-up.
+                Ok(_) => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(self.socket_error("ring the doorbell", &e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads doorbells and control messages after a sleep, or when the peer
+    /// flagged an abort: a hang-up means the peer process is gone.
+    fn drain_socket(&mut self) -> Result<()> {
+        let mut buf = [0u8; 64];
+        loop {
+            match self.ctl.read(&mut buf) {
+                Ok(0) => return Err(Error::Closed { peer: self.peer }),
+                Ok(n) => {
+                    if let Some(at) = buf[..n].iter().position(|b| *b == ABORT) {
+                        return Err(Error::PeerAborted {
+                            peer: self.peer,
+                            reason: self.read_reason(&buf[at + 1..n]),
+                        });
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return Ok(()),
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.socket_error("read the control socket", &e)),
+            }
+        }
+    }
+
+    /// The abort text after its marker byte; `have` is what was read already.
+    fn read_reason(&mut self, have: &[u8]) -> String {
+        let mut msg = have.to_vec();
+        let _ = self.ctl.set_nonblocking(false);
+        let _ = self.ctl.set_read_timeout(Some(Duration::from_secs(1)));
+        let mut chunk = [0u8; 512];
+        while msg.len() < 4
+            || msg.len() < 4 + u32::from_le_bytes(msg[..4].try_into().unwrap()) as usize
+        {
+            match self.ctl.read(&mut chunk) {
+                Ok(n) if n > 0 => msg.extend_from_slice(&chunk[..n]),
+                _ => return "(reason lost)".into(),
+            }
+        }
+        let len = u32::from_le_bytes(msg[..4].try_into().unwrap()) as usize;
+        String::from_utf8_lossy(&msg[4..4 + len]).into_owned()
+    }
+
+    fn socket_error(&self, what: &'static str, e: &std::io::Error) -> Error {
+        match e.kind() {
+            ErrorKind::BrokenPipe | ErrorKind::ConnectionReset => Error::Closed { peer: self.peer },
+            _ => Error::io(Some(self.peer), what, e),
+        }
+    }
+
+    /// Whether progress could move now (checked after raising our flag).
+    fn can_progress(&self) -> bool {
+        let incoming = !self.recvs.is_empty()
+            && self.seg.head(self.in_dir()).load(Ordering::Relaxed) > self.tail;
+        let freed = self.seg.tail(self.out_dir()).load(Ordering::Relaxed);
+        let can_publish = self.publishing < self.sends.len() && self.head - freed < SLOTS;
+        let retire = self
+            .sends
+            .front()
+            .and_then(|s| s.last_slot)
+            .is_some_and(|last| last < freed);
+        incoming || can_publish || retire || self.seg.aborted().load(Ordering::Relaxed) != 0
+    }
+}
+
+/// Reads `len` bytes at `addr` in process `pid` into `dst` (CMA).
+pub(crate) fn read_remote(pid: i32, addr: usize, dst: *mut u8, len: usize) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let local = libc::iovec {
+            iov_base: unsafe { dst.add(done) }.cast(),
+            iov_len: len - done,
+        };
+        let remote = libc::iovec {
+            iov_base: (addr + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: `local` is writable memory of ours (caller's contract);
+        // the kernel checks `remote` against the peer's address space.
+        let n = unsafe { libc::process_vm_readv(pid, &local, 1, &remote, 1, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "the peer's memory ended",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
+}
+
+impl Connection for ShmConnection {
+    fn peer(&self) -> Rank {
+        self.peer
+    }
+
+    unsafe fn isend(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request> {
+        self.check_usable()?;
+        let data = region.slice_ptr(offset, len)?;
+        self.sends.push_back(Outgoing {
+            data,
+            len,
+            tag,
+            published: 0,
+            last_slot: None,
+        });
+        Ok(self.post(Direction::Send))
+    }
+
+    unsafe fn irecv(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request> {
+        self.check_usable()?;
+        let data = region.slice_ptr(offset, len)?;
+        self.recvs.push_back(Incoming {
+            data,
+            len,
+            tag,
+            received: 0,
+        });
+        Ok(self.post(Direction::Recv))
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        self.check_usable()?;
+        let result = (|| -> Result<bool> {
+            if self.woke || self.seg.aborted().load(Ordering::Relaxed) != 0 {
+                self.woke = false;
+                self.seg.sleeping(self.side).store(0, Ordering::Relaxed);
+                self.drain_socket()?;
+            }
+            Ok(self.progress_sends()? | self.progress_recvs()?)
+        })();
+        if let Err(e) = &result {
+            self.failed = Some(e.clone());
+        }
+        result
+    }
+
+    fn is_done(&self, request: Request) -> bool {
+        self.done[request.dir as usize] >= request.seq
+    }
+
+    fn pending(&self) -> usize {
+        self.sends.len() + self.recvs.len()
+    }
+
+    fn wake_source(&mut self) -> Wake<'_> {
+        if self.pending() == 0 {
+            return Wake::Idle;
+        }
+        self.seg.sleeping(self.side).store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if self.can_progress() {
+            self.seg.sleeping(self.side).store(0, Ordering::Relaxed);
+            return Wake::Now;
+        }
+        self.woke = true;
+        Wake::On(
+            self.ctl.as_fd(),
+            Interest {
+                readable: true,
+                writable: false,
+            },
+        )
+    }
+
+    fn abort(&mut self, reason: &str) {
+        let peer_listening = matches!(
+            self.failed,
+            None | Some(Error::Mismatch { .. } | Error::Invalid(_))
+        );
+        if peer_listening {
+            let reason = &reason.as_bytes()[..reason.len().min(4096)];
+            let mut msg = vec![ABORT];
+            msg.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+            msg.extend_from_slice(reason);
+            let sent = self.ctl.set_nonblocking(false).is_ok()
+                && self
+                    .ctl
+                    .set_write_timeout(Some(Duration::from_secs(1)))
+                    .is_ok()
+                && self.ctl.write_all(&msg).is_ok();
+            if !sent {
+                tracing::debug!(peer = self.peer, "could not tell the peer we abort");
+            }
+            self.seg.aborted().store(1, Ordering::SeqCst);
+        }
+        let _ = self.ctl.shutdown(std::net::Shutdown::Write);
+        self.sends.clear();
+        self.recvs.clear();
+        self.publishing = 0;
+        if self.failed.is_none() {
+            self.failed = Some(Error::Aborted {
+                peer: self.peer,
+                reason: reason.to_string(),
+            });
+        }
+    }
+}

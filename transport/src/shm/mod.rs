@@ -1,0 +1,316 @@
+//! Shared-memory transport, for ranks on one host.
+//!
+//! Each connection owns a segment of two single-producer/single-consumer slot
+//! rings (see `segment`), created with `memfd_create` and handed to the peer
+//! over a Unix socket with `SCM_RIGHTS`: it never has a name in /dev/shm,
+//! so even a SIGKILLed job leaves nothing behind. Small messages are copied
+//! through the slots (two copies, no system call); large ones are described
+//! in a slot and read by the receiver straight from the sender's memory with
+//! `process_vm_readv` (cross-memory attach, one copy, as Open MPI's shared
+//! memory path does) when both sides may. The Unix socket stays open beside
+//! the rings as doorbell, abort channel and death detector.
+//!
+//! Listening addresses are abstract Unix socket names: nothing on disk, and
+//! private to the network namespace, like the host identity the bootstrap
+//! uses to decide which ranks share memory.
+
+mod connection;
+mod segment;
+
+use std::io::{ErrorKind, Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::linux::net::SocketAddrExt;
+use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+pub use connection::ShmConnection;
+use segment::Segment;
+
+use crate::wire::{self, ACK_LEN, HELLO_LEN};
+use crate::{Connection, Error, Hello, Listener, MemRegion, Rank, Result, Transport};
+
+/// A word whose address peers read with `process_vm_readv` to learn whether
+/// cross-memory attach works between us (ptrace rules, seccomp, containers).
+static PROBE: u64 = 0x636f_6c6c_7072_6f62;
+
+/// Shared-memory transport.
+#[derive(Debug, Default)]
+pub struct ShmTransport;
+
+impl ShmTransport {
+    pub fn new() -> Self {
+        ShmTransport
+    }
+}
+
+impl Transport for ShmTransport {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>> {
+        let name = format!("coll-shm-{}-{:016x}", std::process::id(), random());
+        let addr = SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::io(None, "listen", &e))?;
+        let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(None, "listen", &e))?;
+        Ok(Box::new(ShmListener { listener, name }))
+    }
+
+    fn connect(
+        &self,
+        address: &[u8],
+        hello: Hello,
+        deadline: Instant,
+    ) -> Result<Box<dyn Connection>> {
+        let peer = Some(hello.to);
+        let io = |what| move |e: std::io::Error| Error::io(peer, what, &e);
+        let addr = SocketAddr::from_abstract_name(address).map_err(io("connect"))?;
+        let mut ctl = UnixStream::connect_addr(&addr).map_err(|e| match e.kind() {
+            ErrorKind::ConnectionRefused | ErrorKind::NotFound => Error::Invalid(format!(
+                "peer rank {} has no shared-memory listener here: is it on another host or in another network namespace?",
+                hello.to
+            )),
+            _ => Error::io(peer, "connect", &e),
+        })?;
+        let seg = Segment::create().map_err(io("create the shared segment"))?;
+        set_timeouts(&ctl, deadline).map_err(io("connect"))?;
+        // hello, our pid and probe address, with the segment's fd attached.
+        let mut msg = wire::encode_hello(&hello).to_vec();
+        msg.extend_from_slice(&std::process::id().to_le_bytes());
+        msg.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
+        send_with_fd(&ctl, &msg, seg.fd()).map_err(io("send hello"))?;
+        // ack, their pid and probe address, and whether they can read us.
+        let mut reply = [0u8; ACK_LEN + 4 + 8 + 1];
+        ctl.read_exact(&mut reply).map_err(|e| match e.kind() {
+            ErrorKind::UnexpectedEof => Error::Invalid(format!(
+                "peer rank {} refused our connection (another job?)",
+                hello.to
+            )),
+            _ => Error::io(peer, "wait for hello acknowledgement", &e),
+        })?;
+        if wire::decode_ack(reply[..ACK_LEN].try_into().unwrap()) != Some(hello.to) {
+            return Err(Error::Invalid(format!(
+                "expected peer rank {} at its shared-memory address",
+                hello.to
+            )));
+        }
+        let (pid, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
+        let we_read_them = probe_remote(pid, probe);
+        ctl.write_all(&[we_read_them as u8])
+            .map_err(io("finish the handshake"))?;
+        let remote_reads = we_read_them && they_read_us;
+        log_mode(hello.to, remote_reads);
+        Ok(Box::new(ShmConnection::new(
+            seg,
+            ctl,
+            hello.to,
+            pid,
+            0,
+            remote_reads,
+        )?))
+    }
+
+    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
+        // Peers read our memory by address (or we copy it into the rings):
+        // nothing to register.
+        Ok(MemRegion::new(addr, len, Box::new(())))
+    }
+}
+
+/// Listens on an abstract Unix socket.
+pub struct ShmListener {
+    listener: UnixListener,
+    name: String,
+}
+
+impl Listener for ShmListener {
+    fn address(&self) -> Vec<u8> {
+        self.name.clone().into_bytes()
+    }
+
+    fn accept(
+        &mut self,
+        token: u128,
+        me: Rank,
+        deadline: Instant,
+    ) -> Result<(Rank, Box<dyn Connection>)> {
+        loop {
+            let ctl = self.accept_one(deadline)?;
+            match handshake(ctl, token, me, deadline) {
+                Ok(accepted) => return Ok(accepted),
+                Err(why) => tracing::warn!("refused a shared-memory connection: {why}"),
+            }
+        }
+    }
+}
+
+impl ShmListener {
+    fn accept_one(&self, deadline: Instant) -> Result<UnixStream> {
+        self.listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io(None, "accept", &e))?;
+        loop {
+            match self.listener.accept() {
+                Ok((s, _)) => {
+                    s.set_nonblocking(false)
+                        .map_err(|e| Error::io(None, "accept", &e))?;
+                    return Ok(s);
+                }
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted) => {}
+                Err(e) => return Err(Error::io(None, "accept", &e)),
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                let e = std::io::Error::new(ErrorKind::TimedOut, "no peer arrived in time");
+                return Err(Error::io(None, "accept", &e));
+            }
+            let ts = rustix::event::Timespec {
+                tv_sec: left.as_secs() as i64,
+                tv_nsec: left.subsec_nanos() as i64,
+            };
+            let mut fds = [rustix::event::PollFd::new(
+                &self.listener,
+                rustix::event::PollFlags::IN,
+            )];
+            let _ = rustix::event::poll(&mut fds, Some(&ts));
+        }
+    }
+}
+
+/// The accepting side of the handshake; `Err` says why a caller is refused.
+fn handshake(
+    mut ctl: UnixStream,
+    token: u128,
+    me: Rank,
+    deadline: Instant,
+) -> std::result::Result<(Rank, Box<dyn Connection>), String> {
+    // A stranger gets a second to say hello, not the whole deadline.
+    let patience = Instant::now() + Duration::from_secs(1);
+    set_timeouts(&ctl, deadline.min(patience)).map_err(|e| e.to_string())?;
+    let mut msg = [0u8; HELLO_LEN + 4 + 8];
+    let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
+    let hello = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
+        .map_err(|e| format!("bad hello: {e:?}"))?;
+    if hello.token != token {
+        return Err(format!("rank {} presented another job's token", hello.from));
+    }
+    if hello.to != me {
+        return Err(format!(
+            "rank {} wanted rank {}, this is rank {me}",
+            hello.from, hello.to
+        ));
+    }
+    let seg = Segment::open(fd.ok_or("no segment attached")?)
+        .map_err(|e| format!("cannot map the segment: {e}"))?;
+    let (pid, probe, _) = parse_identity(&msg[HELLO_LEN..]);
+    let we_read_them = probe_remote(pid, probe);
+    let mut reply = wire::encode_ack(me).to_vec();
+    reply.extend_from_slice(&std::process::id().to_le_bytes());
+    reply.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
+    reply.push(we_read_them as u8);
+    set_timeouts(&ctl, deadline).map_err(|e| e.to_string())?;
+    ctl.write_all(&reply).map_err(|e| e.to_string())?;
+    let mut they_read_us = [0u8];
+    ctl.read_exact(&mut they_read_us)
+        .map_err(|e| e.to_string())?;
+    let remote_reads = we_read_them && they_read_us[0] == 1;
+    log_mode(hello.from, remote_reads);
+    let conn = ShmConnection::new(seg, ctl, hello.from, pid, 1, remote_reads)
+        .map_err(|e| e.to_string())?;
+    Ok((hello.from, Box::new(conn)))
+}
+
+fn log_mode(peer: Rank, remote_reads: bool) {
+    if remote_reads {
+        tracing::debug!(
+            peer,
+            "shared memory with single-copy reads (process_vm_readv)"
+        );
+    } else {
+        tracing::info!(peer, "shared memory without process_vm_readv (ptrace rules or seccomp forbid it): large messages take two copies");
+    }
+}
+
+/// pid, probe address and (for replies) the peer's verdict, little-endian.
+fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
+    let pid = u32::from_le_bytes(b[0..4].try_into().unwrap()) as i32;
+    let probe = u64::from_le_bytes(b[4..12].try_into().unwrap());
+    (pid, probe, b.get(12) == Some(&1))
+}
+
+/// Whether we can read the peer's memory with process_vm_readv.
+fn probe_remote(pid: i32, addr: u64) -> bool {
+    let mut v = 0u64;
+    connection::read_remote(pid, addr as usize, (&mut v as *mut u64).cast(), 8).is_ok()
+        && v == PROBE
+}
+
+fn set_timeouts(s: &UnixStream, deadline: Instant) -> std::io::Result<()> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left))?;
+    s.set_write_timeout(Some(left))
+}
+
+fn send_with_fd(
+    s: &UnixStream,
+    bytes: &[u8],
+    fd: std::os::fd::BorrowedFd<'_>,
+) -> std::io::Result<()> {
+    let fds = [fd];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    anc.push(SendAncillaryMessage::ScmRights(&fds));
+    let n = rustix::net::sendmsg(
+        s,
+        &[std::io::IoSlice::new(bytes)],
+        &mut anc,
+        SendFlags::NOSIGNAL,
+    )?;
+    if n != bytes.len() {
+        return Err(std::io::Error::new(ErrorKind::WriteZero, "short hello"));
+    }
+    Ok(())
+}
+
+/// Reads exactly `buf.len()` bytes; returns the fd that came with them, if any.
+fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedFd>> {
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut anc = RecvAncillaryBuffer::new(&mut space);
+    let got = rustix::net::recvmsg(
+        s,
+        &mut [std::io::IoSliceMut::new(buf)],
+        &mut anc,
+        RecvFlags::CMSG_CLOEXEC,
+    )?;
+    let mut fd = None;
+    for msg in anc.drain() {
+        if let RecvAncillaryMessage::ScmRights(mut fds) = msg {
+            fd = fds.next();
+        }
+    }
+    let mut have = got.bytes;
+    while have < buf.len() {
+        let n = (&*s).read(&mut buf[have..])?;
+        if n == 0 {
+            return Err(std::io::Error::new(
+                ErrorKind::UnexpectedEof,
+                "connection closed",
+            ));
+        }
+        have += n;
+    }
+    Ok(fd)
+}
+
+fn random() -> u64 {
+    let mut b = [0u8; 8];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    u64::from_le_bytes(b) ^ std::process::id() as u64
+}

@@ -1,0 +1,212 @@
+//! The shared segment of one connection: a header, then per direction an SPSC
+//! ring of slot descriptors and slot data. Side 0 (the connecting rank)
+//! produces on direction 0 and consumes direction 1; side 1 the reverse.
+//!
+//! The producer writes a descriptor (and, for eager messages, the bytes)
+//! into slot `head % SLOTS` and publishes it by storing `head + 1` with
+//! release ordering; the consumer reads it after an acquire load of `head`
+//! and hands the slot back by storing `tail + 1`. `head - tail` never
+//! exceeds `SLOTS`: the free slots are the producer's credits.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+
+use crate::Tag;
+
+/// Slots per direction.
+pub(crate) const SLOTS: u64 = 16;
+/// Bytes of data per slot.
+pub(crate) const SLOT_BYTES: usize = 64 << 10;
+/// Messages up to this size are copied through the slots; larger ones are
+/// read by the receiver straight from the sender's memory (CMA) when both
+/// sides can, which saves a copy.
+pub(crate) const EAGER_MAX: usize = 32 << 10;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"COLLSHM1");
+const LINE: usize = 128;
+const HEADER_BYTES: usize = 4096;
+const DESC_BYTES: usize = 64;
+const DIR_BYTES: usize = SLOTS as usize * (DESC_BYTES + SLOT_BYTES);
+
+/// Bytes of a whole segment.
+pub(crate) const SEGMENT_BYTES: usize = HEADER_BYTES + 2 * DIR_BYTES;
+
+/// How a slot carries its fragment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub(crate) enum Kind {
+    /// The bytes are in the slot.
+    Eager = 1,
+    /// The bytes stay in the sender's memory at `remote`; the receiver reads
+    /// them with `process_vm_readv` before handing the slot back.
+    Remote = 2,
+}
+
+/// One slot's description of the fragment it carries.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub(crate) struct Desc {
+    pub tag: Tag,
+    /// Length of the whole message.
+    pub msg_len: u64,
+    /// Where this fragment starts in the message.
+    pub offset: u64,
+    pub len: u64,
+    /// Sender's address of the bytes, for [`Kind::Remote`].
+    pub remote: u64,
+    pub kind: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Desc>() <= DESC_BYTES);
+
+/// Header field offsets: each counter on its own cache line(s) so the
+/// producer's and consumer's stores do not fight over a line.
+const HEAD: [usize; 2] = [LINE, 2 * LINE];
+const TAIL: [usize; 2] = [3 * LINE, 4 * LINE];
+const SLEEPING: [usize; 2] = [5 * LINE, 6 * LINE];
+const ABORTED: usize = 7 * LINE;
+
+/// A mapped segment.
+pub(crate) struct Segment {
+    base: NonNull<u8>,
+    _fd: OwnedFd,
+}
+
+// SAFETY: the mapping is shared memory accessed through atomics and raw
+// copies whose ordering the ring protocol establishes; moving the handle to
+// another thread changes nothing.
+unsafe impl Send for Segment {}
+
+impl Segment {
+    /// Creates an anonymous segment (memfd: it never has a name in
+    /// /dev/shm, so a killed job cannot leave it behind) and maps it.
+    pub fn create() -> std::io::Result<Self> {
+        let fd = rustix::fs::memfd_create("coll-shm", rustix::fs::MemfdFlags::CLOEXEC)?;
+        rustix::fs::ftruncate(&fd, SEGMENT_BYTES as u64)?;
+        let seg = Self::map(fd)?;
+        // SAFETY: the fresh mapping is SEGMENT_BYTES long and ours alone.
+        unsafe {
+            // Touch every page now: first touch costs 5-10x a copy here,
+            // and the hot path must not pay it.
+            std::ptr::write_bytes(seg.base.as_ptr(), 0, SEGMENT_BYTES);
+            (seg.base.as_ptr() as *mut u64).write(MAGIC);
+        }
+        Ok(seg)
+    }
+
+    /// Maps a segment received from the creating peer.
+    pub fn open(fd: OwnedFd) -> std::io::Result<Self> {
+        let seg = Self::map(fd)?;
+        // SAFETY: the mapping is at least 8 bytes long.
+        let magic = unsafe { (seg.base.as_ptr() as *const u64).read_volatile() };
+        if magic != MAGIC {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "not a collectives shared-memory segment",
+            ));
+        }
+        Ok(seg)
+    }
+
+    fn map(fd: OwnedFd) -> std::io::Result<Self> {
+        let size = rustix::fs::fstat(&fd)?.st_size as usize;
+        if size < SEGMENT_BYTES {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "segment too small",
+            ));
+        }
+        // SAFETY: a fresh shared mapping of a file we hold; nothing else
+        // in this process aliases it.
+        let ptr = unsafe {
+            mmap(
+                std::ptr::null_mut(),
+                SEGMENT_BYTES,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd.as_fd(),
+                0,
+            )?
+        };
+        Ok(Segment {
+            base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
+            _fd: fd,
+        })
+    }
+
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self._fd.as_fd()
+    }
+
+    fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: offset is a header field, 8-aligned, inside the mapping,
+        // which lives as long as &self; AtomicU64 has u64's layout.
+        unsafe { &*(self.base.as_ptr().add(offset) as *const AtomicU64) }
+    }
+
+    fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
+        // SAFETY: as in atomic_u64.
+        unsafe { &*(self.base.as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// Slots published on direction `dir`.
+    pub fn head(&self, dir: usize) -> &AtomicU64 {
+        self.atomic_u64(HEAD[dir])
+    }
+
+    /// Slots handed back on direction `dir`.
+    pub fn tail(&self, dir: usize) -> &AtomicU64 {
+        self.atomic_u64(TAIL[dir])
+    }
+
+    /// Set by `side` before it sleeps; the other side rings its doorbell.
+    pub fn sleeping(&self, side: usize) -> &AtomicU32 {
+        self.atomic_u32(SLEEPING[side])
+    }
+
+    /// Set by a side that aborts, so a spinning peer notices at once.
+    pub fn aborted(&self) -> &AtomicU32 {
+        self.atomic_u32(ABORTED)
+    }
+
+    fn dir_base(&self, dir: usize) -> *mut u8 {
+        // SAFETY: both directions lie inside the mapping.
+        unsafe { self.base.as_ptr().add(HEADER_BYTES + dir * DIR_BYTES) }
+    }
+
+    /// Writes slot `seq`'s descriptor on `dir` (producer, before publishing).
+    pub fn write_desc(&self, dir: usize, seq: u64, desc: Desc) {
+        let at = (seq % SLOTS) as usize * DESC_BYTES;
+        // SAFETY: in bounds; the producer owns unpublished slots.
+        unsafe { (self.dir_base(dir).add(at) as *mut Desc).write_volatile(desc) }
+    }
+
+    /// Reads slot `seq`'s descriptor on `dir` (consumer, after an acquire of head).
+    pub fn read_desc(&self, dir: usize, seq: u64) -> Desc {
+        let at = (seq % SLOTS) as usize * DESC_BYTES;
+        // SAFETY: in bounds; the slot is published and not yet handed back.
+        unsafe { (self.dir_base(dir).add(at) as *const Desc).read_volatile() }
+    }
+
+    /// Slot `seq`'s data area on `dir`.
+    pub fn slot_data(&self, dir: usize, seq: u64) -> *mut u8 {
+        let at = SLOTS as usize * DESC_BYTES + (seq % SLOTS) as usize * SLOT_BYTES;
+        // SAFETY: in bounds of the direction's area.
+        unsafe { self.dir_base(dir).add(at) }
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: we mapped exactly this range and hand out no references
+        // that outlive self.
+        let _ = unsafe { munmap(self.base.as_ptr().cast(), SEGMENT_BYTES) };
+    }
+}
+
+/// Orderings of the ring protocol, named once.
+pub(crate) const PUBLISH: Ordering = Ordering::Release;
+pub(crate) const OBSERVE: Ordering = Ordering::Acquire;

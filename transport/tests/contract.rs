@@ -1,0 +1,224 @@
+//! The transport contract, checked the same way for every transport: two
+//! ranks as two threads over real sockets or real shared memory.
+
+use std::io::Write;
+use std::net::{IpAddr, Ipv4Addr, TcpStream};
+use std::time::{Duration, Instant};
+
+use transport::shm::ShmTransport;
+use transport::tcp::{TcpOptions, TcpTransport};
+use transport::{Connection, Error, Hello, Poller, Transport};
+
+const TOKEN: u128 = 0xfeed_beef;
+const LOOPBACK: IpAddr = IpAddr::V4(Ipv4Addr::LOCALHOST);
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+fn tcp() -> Box<dyn Transport> {
+    Box::new(TcpTransport::new(LOOPBACK, TcpOptions::default()))
+}
+
+fn shm() -> Box<dyn Transport> {
+    Box::new(ShmTransport::new())
+}
+
+/// Rank 0 accepts, rank 1 connects; returns (rank 0's end, rank 1's end).
+fn pair(make: fn() -> Box<dyn Transport>) -> (Box<dyn Connection>, Box<dyn Connection>) {
+    let t = make();
+    let mut listener = t.listen().unwrap();
+    let addr = listener.address();
+    let acceptor = std::thread::spawn(move || listener.accept(TOKEN, 0, soon()).unwrap());
+    let hello = Hello {
+        token: TOKEN,
+        from: 1,
+        to: 0,
+    };
+    let c1 = t.connect(&addr, hello, soon()).unwrap();
+    let (peer, c0) = acceptor.join().unwrap();
+    assert_eq!(peer, 1);
+    (c0, c1)
+}
+
+/// Drives both ends until `done` holds or the deadline passes.
+fn drive(
+    a: &mut Box<dyn Connection>,
+    b: &mut Box<dyn Connection>,
+    mut done: impl FnMut(&dyn Connection, &dyn Connection) -> bool,
+) -> Result<(), Error> {
+    let deadline = soon();
+    let mut poller = Poller::default();
+    while !done(a.as_ref(), b.as_ref()) {
+        if a.progress()? | b.progress()? {
+            poller.busy();
+        } else if !poller.idle([&mut *a, &mut *b].into_iter(), deadline)? {
+            panic!("no progress before the deadline");
+        }
+    }
+    Ok(())
+}
+
+fn messages_arrive_whole_and_in_order(make: fn() -> Box<dyn Transport>) {
+    let (mut c0, mut c1) = pair(make);
+    let t = make();
+    // Larger than any socket buffer or ring, small and empty ones between.
+    let src: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
+    let mut dst = vec![0u8; src.len()];
+    let rs = t.register(src.as_ptr(), src.len()).unwrap();
+    let rd = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+    let cuts = [0, 1, 100, 40_000, 65_536, 1 << 20, 5 << 20, src.len()];
+    let mut reqs = Vec::new();
+    for (i, w) in cuts.windows(2).enumerate() {
+        let (at, len) = (w[0], w[1] - w[0]);
+        // SAFETY: src and dst outlive the requests and are not touched until done.
+        unsafe {
+            reqs.push((
+                c1.isend(&rs, at, len, i as u128).unwrap(),
+                c0.irecv(&rd, at, len, i as u128).unwrap(),
+            ));
+        }
+    }
+    // SAFETY: as above; an empty message.
+    let empty = unsafe {
+        (
+            c1.isend(&rs, 0, 0, 99).unwrap(),
+            c0.irecv(&rd, 0, 0, 99).unwrap(),
+        )
+    };
+    reqs.push(empty);
+    drive(&mut c0, &mut c1, |a, b| {
+        reqs.iter().all(|(s, r)| b.is_done(*s) && a.is_done(*r))
+    })
+    .unwrap();
+    assert!(src == dst);
+    assert_eq!(c0.pending() + c1.pending(), 0);
+}
+
+fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
+    let (mut c0, mut c1) = pair(make);
+    let t = make();
+    let buf = [0u8; 64];
+    let r = t.register(buf.as_ptr(), 64).unwrap();
+    // SAFETY: buf outlives the requests.
+    unsafe {
+        c1.isend(&r, 0, 60, 42).unwrap();
+        c0.irecv(&r, 0, 64, 42).unwrap();
+    }
+    let err = drive(&mut c0, &mut c1, |_, _| false).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Mismatch {
+                peer: 1,
+                expected_len: 64,
+                got_len: 60,
+                got_tag: 42,
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+fn an_abort_reaches_the_peer_with_its_reason(make: fn() -> Box<dyn Transport>) {
+    let (mut c0, mut c1) = pair(make);
+    let t = make();
+    let buf = [0u8; 16];
+    let r = t.register(buf.as_ptr(), 16).unwrap();
+    c1.abort("rank 1 gave up: testing");
+    // SAFETY: buf outlives the request.
+    unsafe { c0.irecv(&r, 0, 16, 7).unwrap() };
+    let err = drive(&mut c0, &mut c1, |_, _| false).unwrap_err();
+    assert!(
+        matches!(&err, Error::PeerAborted { peer: 1, reason } if reason == "rank 1 gave up: testing"),
+        "{err}"
+    );
+}
+
+fn a_dead_peer_is_closed_not_a_hang(make: fn() -> Box<dyn Transport>) {
+    let (mut c0, c1) = pair(make);
+    let t = make();
+    let buf = [0u8; 16];
+    let r = t.register(buf.as_ptr(), 16).unwrap();
+    drop(c1);
+    // SAFETY: buf outlives the request.
+    unsafe { c0.irecv(&r, 0, 16, 7).unwrap() };
+    let mut other = pair(make).1;
+    let err = drive(&mut c0, &mut other, |_, _| false).unwrap_err();
+    assert!(matches!(err, Error::Closed { peer: 1 }), "{err}");
+}
+
+fn a_wrong_token_is_refused_and_the_peer_still_gets_in(make: fn() -> Box<dyn Transport>) {
+    let t = make();
+    let mut listener = t.listen().unwrap();
+    let addr = listener.address();
+    let acceptor = std::thread::spawn(move || listener.accept(TOKEN, 0, soon()));
+    let wrong = Hello {
+        token: 1,
+        from: 1,
+        to: 0,
+    };
+    let err = t
+        .connect(&addr, wrong, soon())
+        .err()
+        .expect("the wrong token must be refused");
+    assert!(err.to_string().contains("refused"), "{err}");
+    let good = Hello {
+        token: TOKEN,
+        from: 1,
+        to: 0,
+    };
+    let _c1 = t.connect(&addr, good, soon()).unwrap();
+    let (peer, _c0) = acceptor.join().unwrap().unwrap();
+    assert_eq!(peer, 1);
+}
+
+macro_rules! contract {
+    ($($transport:ident),*) => {$(
+        mod $transport {
+            #[test]
+            fn messages_arrive_whole_and_in_order() {
+                super::messages_arrive_whole_and_in_order(super::$transport)
+            }
+            #[test]
+            fn a_different_length_or_tag_is_a_mismatch() {
+                super::a_different_length_or_tag_is_a_mismatch(super::$transport)
+            }
+            #[test]
+            fn an_abort_reaches_the_peer_with_its_reason() {
+                super::an_abort_reaches_the_peer_with_its_reason(super::$transport)
+            }
+            #[test]
+            fn a_dead_peer_is_closed_not_a_hang() {
+                super::a_dead_peer_is_closed_not_a_hang(super::$transport)
+            }
+            #[test]
+            fn a_wrong_token_is_refused_and_the_peer_still_gets_in() {
+                super::a_wrong_token_is_refused_and_the_peer_still_gets_in(super::$transport)
+            }
+        }
+    )*};
+}
+
+contract!(tcp, shm);
+
+#[test]
+fn tcp_refuses_garbage_and_silence() {
+    let t = tcp();
+    let mut listener = t.listen().unwrap();
+    let addr = String::from_utf8(listener.address()).unwrap();
+    let mut junk = TcpStream::connect(&addr).unwrap();
+    junk.write_all(b"GET / HTTP/1.0\r\n\r\n0123456789abcdef")
+        .unwrap();
+    let _silent = TcpStream::connect(&addr).unwrap();
+    let acceptor = std::thread::spawn(move || listener.accept(TOKEN, 0, soon()));
+    let good = Hello {
+        token: TOKEN,
+        from: 1,
+        to: 0,
+    };
+    let _c1 = t.connect(addr.as_bytes(), good, soon()).unwrap();
+    let (peer, _c0) = acceptor.join().unwrap().unwrap();
+    assert_eq!(peer, 1);
+}
