@@ -11,18 +11,16 @@ fn worker() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_coll-worker"))
 }
 
-/// Runs `coll-worker --ranks N MODE..` with a short timeout.
-fn job(ranks: usize, mode: &[&str], timeout_s: &str) -> Run {
+/// Runs `coll-worker --ranks N MODE..` over `transport` with a short timeout.
+fn job(ranks: usize, mode: &[&str], transport: &str, timeout_s: &str) -> Run {
     let n = ranks.to_string();
     let mut args = vec!["--ranks", &n];
     args.extend_from_slice(mode);
-    run(
-        worker(),
-        &args,
-        &[("COLL_TIMEOUT", timeout_s)],
-        Duration::from_secs(60),
-    )
+    let env = [("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    run(worker(), &args, &env, Duration::from_secs(60))
 }
+
+const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
 
 /// Every listed rank printed an error naming itself and the operation.
 fn assert_named(r: &Run, ranks: &[usize], op: &str) {
@@ -46,8 +44,14 @@ fn assert_all_gone(r: &Run) {
 
 #[test]
 fn a_killed_rank_fails_the_others_quickly() {
-    let r = job(4, &["die"], "20");
-    assert!(!r.ok);
+    for t in TRANSPORTS {
+        killed_rank(t);
+    }
+}
+
+fn killed_rank(transport: &str) {
+    let r = job(4, &["die"], transport, "20");
+    assert!(!r.ok, "{transport}");
     assert!(
         r.stderr.contains("rank 1 was killed by signal 9"),
         "{}",
@@ -67,8 +71,14 @@ fn a_killed_rank_fails_the_others_quickly() {
 
 #[test]
 fn a_silent_rank_times_out_with_the_peer_named() {
-    let r = job(3, &["stall"], "2");
-    assert!(!r.ok);
+    for t in TRANSPORTS {
+        silent_rank(t);
+    }
+}
+
+fn silent_rank(transport: &str) {
+    let r = job(3, &["stall"], transport, "2");
+    assert!(!r.ok, "{transport}");
     assert!(r.stderr.contains("timed out after"), "{}", r.stderr);
     assert!(r.stderr.contains("waiting for peer rank 1"), "{}", r.stderr);
     assert_named(&r, &[0, 2], "allreduce #");
@@ -89,7 +99,8 @@ fn disagreeing_ranks_are_told_what_differs() {
         ("dtype", "allreduce #1 (1024 x i32, sum)"),
         ("op", "allreduce #1 (1024 x f32, max)"),
     ] {
-        let r = job(3, &["mismatch", kind], "10");
+        let transport = if kind == "dtype" { "tcp" } else { "shm" };
+        let r = job(3, &["mismatch", kind], transport, "10");
         assert!(!r.ok, "{kind}");
         assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);
         assert!(
@@ -108,7 +119,7 @@ fn disagreeing_ranks_are_told_what_differs() {
 
 #[test]
 fn a_rank_that_never_arrives_is_named() {
-    let r = job(3, &["late"], "2");
+    let r = job(3, &["late"], "auto", "2");
     assert!(!r.ok);
     assert!(
         r.stderr
@@ -117,6 +128,57 @@ fn a_rank_that_never_arrives_is_named() {
         r.stderr
     );
     assert_all_gone(&r);
+}
+
+/// Killing a whole job (launcher and ranks, SIGKILL, mid-collective) leaves
+/// no process and nothing in /dev/shm behind.
+#[test]
+fn a_killed_job_leaves_nothing_behind() {
+    use std::process::{Command, Stdio};
+    let shm_before = dev_shm();
+    let mut launcher = Command::new(worker())
+        .args(["--ranks", "4", "pingpong", "100000000"])
+        .env("COLL_TRANSPORT", "shm")
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until every rank is inside the loop of collectives.
+    let mut out = launcher.stdout.take().unwrap();
+    let mut seen = String::new();
+    let mut buf = [0u8; 256];
+    while seen.matches("pid ").count() < 4 {
+        let n = std::io::Read::read(&mut out, &mut buf).unwrap();
+        assert!(n > 0, "the job ended early: {seen}");
+        seen.push_str(&String::from_utf8_lossy(&buf[..n]));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    launcher.kill().unwrap();
+    launcher.wait().unwrap();
+    // The ranks die with their launcher (PR_SET_PDEATHSIG).
+    let pids = worker_pids(&seen);
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while pids.iter().any(|p| alive(*p)) && std::time::Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for pid in pids {
+        assert!(
+            !alive(pid),
+            "rank process {pid} outlived its killed launcher"
+        );
+    }
+    assert_eq!(dev_shm(), shm_before, "the job left files in /dev/shm");
+}
+
+fn dev_shm() -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .collect()
+        })
+        .unwrap_or_default();
+    names.sort();
+    names
 }
 
 /// One rank of a two-rank job started by hand, torchrun style.
@@ -198,7 +260,7 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
         panic!("rank 0's rendezvous never came up");
     };
     knock(b"GET / HTTP/1.0\r\n\r\n");
-    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"addresses":{}}}"#;
+    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"addresses":{},"settings":"transport=auto chunk=1048576"}}"#;
     let mut msg = (other_job.len() as u32).to_le_bytes().to_vec();
     msg.extend_from_slice(other_job);
     knock(&msg);

@@ -1,16 +1,26 @@
-//! The correctness matrix over real processes and sockets: every datatype,
-//! reduction and size, in and out of place, at 1, 2, 3, 4 and 8 ranks, with
-//! the default chunk (few chunks per message) and a 4 KiB chunk (hundreds,
-//! so pipelining, staging reuse and uneven last chunks are exercised).
+//! The correctness matrix over real processes, real sockets and real shared
+//! memory: every datatype, reduction and size, in and out of place, at 1, 2,
+//! 3, 4 and 8 ranks, over TCP and shared memory (with and without
+//! single-copy reads), with large chunks (few per message) and 4 KiB ones
+//! (hundreds, so pipelining, staging reuse and uneven last chunks run).
 
 use std::time::Duration;
 
 use integration_tests::run;
 
-fn matrix(ranks: usize, chunk: &str) {
+fn matrix(ranks: usize, chunk: &str, transport: &str) {
+    matrix_with(ranks, chunk, transport, &[]);
+}
+
+fn matrix_with(ranks: usize, chunk: &str, transport: &str, extra: &[(&str, &str)]) {
     let worker = std::path::Path::new(env!("CARGO_BIN_EXE_coll-worker"));
     let n = ranks.to_string();
-    let env = [("COLL_CHUNK", chunk), ("COLL_TIMEOUT", "60")];
+    let mut env = vec![
+        ("COLL_CHUNK", chunk),
+        ("COLL_TIMEOUT", "60"),
+        ("COLL_TRANSPORT", transport),
+    ];
+    env.extend_from_slice(extra);
     let r = run(
         worker,
         &["--ranks", &n, "matrix"],
@@ -19,7 +29,7 @@ fn matrix(ranks: usize, chunk: &str) {
     );
     assert!(
         r.ok,
-        "matrix at {ranks} ranks, chunk {chunk} failed:\n{}\n{}",
+        "matrix at {ranks} ranks over {transport}, chunk {chunk} failed:\n{}\n{}",
         r.stdout, r.stderr
     );
     for rank in 0..ranks {
@@ -33,30 +43,50 @@ fn matrix(ranks: usize, chunk: &str) {
 
 #[test]
 fn one_rank() {
-    matrix(1, "1M");
+    matrix(1, "1M", "auto");
 }
 
 #[test]
-fn two_ranks() {
-    matrix(2, "1M");
+fn two_ranks_shm() {
+    matrix(2, "1M", "shm");
 }
 
 #[test]
-fn two_ranks_small_chunks() {
-    matrix(2, "4K");
+fn two_ranks_shm_two_copies_small_chunks() {
+    matrix_with(2, "4K", "shm", &[("COLL_SHM_SINGLE_COPY", "0")]);
 }
 
 #[test]
-fn three_ranks() {
-    matrix(3, "4K");
+fn two_ranks_tcp_small_chunks() {
+    matrix(2, "4K", "tcp");
 }
 
 #[test]
-fn four_ranks() {
-    matrix(4, "1M");
+fn three_ranks_shm_small_chunks() {
+    matrix(3, "4K", "shm");
 }
 
 #[test]
-fn eight_ranks() {
-    matrix(8, "64K");
+fn three_ranks_tcp() {
+    matrix(3, "1M", "tcp");
+}
+
+#[test]
+fn four_ranks_shm() {
+    matrix(4, "1M", "shm");
+}
+
+#[test]
+fn four_ranks_tcp() {
+    matrix(4, "64K", "tcp");
+}
+
+#[test]
+fn eight_ranks_shm() {
+    matrix(8, "64K", "shm");
+}
+
+#[test]
+fn eight_ranks_tcp() {
+    matrix(8, "1M", "tcp");
 }

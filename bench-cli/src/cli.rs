@@ -95,7 +95,8 @@ pub struct BenchArgs {
     #[arg(short = 'o', long, default_value = "sum")]
     pub op: ReduceOp,
 
-    /// Transport between ranks: auto or tcp [default: auto, or COLL_TRANSPORT]
+    /// Transport between ranks: auto (shared memory within a host, TCP
+    /// between hosts), tcp, or shm [default: auto, or COLL_TRANSPORT]
     #[arg(long)]
     pub transport: Option<String>,
 

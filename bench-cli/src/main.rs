@@ -164,7 +164,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
                 collective: collective.name(),
                 nranks: bench.comm.size(),
                 launcher,
-                transport: bench.comm.transport_name(),
+                transport: &bench.comm.transport_summary(),
                 algorithm: algo,
                 chunk_bytes: config.chunk_bytes,
                 depth: config.depth,
@@ -198,7 +198,7 @@ fn print_preamble(
         "# collbench {}: {} ranks ({launcher}), transport {}, algorithm {algo}, chunk {} x {} in flight, timeout {}s",
         bench.collective.name(),
         comm.size(),
-        comm.transport_name(),
+        comm.transport_summary(),
         human_bytes(c.chunk_bytes as u64),
         c.depth,
         c.timeout.as_secs_f64()

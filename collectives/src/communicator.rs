@@ -1,18 +1,17 @@
 //! The communicator: a rank's connections to every other rank of the job,
 //! and the collective calls on them.
 
-use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::Instant;
 
-use transport::tcp::TcpTransport;
-use transport::{Connection, Hello, Listener, MemRegion, Rank, RegistrationCache, Transport};
+use transport::{Connection, MemRegion, Rank, RegistrationCache, Transport};
 
 use crate::algo::{self, Algorithm, Layout};
 use crate::bootstrap::rendezvous::{self, PeerInfo, Table};
 use crate::bootstrap::{host, Bootstrap};
 use crate::descriptor::{Collective, OpDesc};
+use crate::mesh;
 use crate::schedule::{Exec, Region, Schedule, Staging};
 use crate::{Config, DataType, Element, Error, ReduceOp, Result};
 
@@ -35,7 +34,10 @@ pub struct Communicator {
     size: usize,
     peers: Vec<PeerInfo>,
     local_ranks: Vec<Rank>,
-    transport: Arc<dyn Transport>,
+    /// Transports some connection uses; buffers are registered with each.
+    transports: Vec<Arc<dyn Transport>>,
+    /// How each rank is reached (`None` for ourselves).
+    via: Vec<Option<&'static str>>,
     conns: Vec<Option<Box<dyn Connection>>>,
     staging: Staging,
     registrations: RegistrationCache,
@@ -71,18 +73,16 @@ impl Communicator {
         let bind_ip = boot
             .rendezvous
             .map_or(IpAddr::from([127, 0, 0, 1]), local_ip_towards);
-        let transport: Arc<dyn Transport> = Arc::new(TcpTransport::new(bind_ip, config.tcp));
-        let listener = transport.listen().map_err(|e| fail(e.to_string()))?;
+        let available = mesh::available(bind_ip, &config);
+        let (listeners, addresses) = mesh::listen(&available).map_err(|e| fail(e.to_string()))?;
         let (hostname, host_id) = host::identity();
         let me = PeerInfo {
             rank,
             hostname,
             host_id,
             pid: std::process::id(),
-            addresses: BTreeMap::from([(
-                transport.name().to_string(),
-                rendezvous::to_hex(&listener.address()),
-            )]),
+            addresses,
+            settings: config.shared_settings(),
         };
         let table = match boot.rendezvous {
             None => Table {
@@ -91,8 +91,10 @@ impl Communicator {
             },
             Some(addr) => meet(&boot, addr, me, deadline).map_err(fail)?,
         };
-        let conns = connect_mesh(&*transport, listener, rank, &table, deadline).map_err(fail)?;
-        let staging = Staging::new(&*transport, config.chunk_bytes, config.depth)
+        let mesh =
+            mesh::connect(&available, listeners, rank, &table, &config, deadline).map_err(fail)?;
+        let used: Vec<&dyn Transport> = mesh.used.iter().map(|t| &**t).collect();
+        let staging = Staging::new(&used, config.chunk_bytes, config.depth)
             .map_err(|e| fail(e.to_string()))?;
         let me = &table.peers[rank];
         let local_ranks: Vec<Rank> = table
@@ -112,14 +114,14 @@ impl Communicator {
                 boot.local_rank
             );
         }
-        log_peers(rank, &table, transport.name());
+        mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(
             rank,
             size = boot.size,
             source = boot.source,
             host = %me.hostname,
             local_ranks = ?local_ranks,
-            transport = transport.name(),
+            transport = mesh::summary(&mesh.via),
             chunk = config.chunk_bytes,
             depth = config.depth,
             timeout_s = config.timeout.as_secs_f64(),
@@ -130,8 +132,9 @@ impl Communicator {
             size: boot.size,
             peers: table.peers,
             local_ranks,
-            transport,
-            conns,
+            transports: mesh.used,
+            via: mesh.via,
+            conns: mesh.conns,
             staging,
             registrations: RegistrationCache::new(),
             config,
@@ -171,9 +174,14 @@ impl Communicator {
         &self.config
     }
 
-    /// The transport in use between ranks.
-    pub fn transport_name(&self) -> &'static str {
-        self.transport.name()
+    /// The transports in use: `shm`, `tcp` or `shm+tcp`.
+    pub fn transport_summary(&self) -> String {
+        mesh::summary(&self.via)
+    }
+
+    /// The transport that reaches `rank` (`None` for this rank itself).
+    pub fn transport_to(&self, rank: Rank) -> Option<&'static str> {
+        self.via[rank]
     }
 
     /// The algorithm a call of `collective` would use now.
@@ -258,8 +266,9 @@ impl Communicator {
     /// (which costs a page pinning per call over verbs).
     pub fn register<T: Element>(&mut self, buf: &[T]) -> Result<()> {
         let bytes: &[u8] = bytemuck::cast_slice(buf);
+        let transports: Vec<&dyn Transport> = self.transports.iter().map(|t| &**t).collect();
         self.registrations
-            .get_or_register(&*self.transport, bytes.as_ptr(), bytes.len())
+            .get_or_register(&transports, bytes.as_ptr(), bytes.len())
             .map(drop)
             .map_err(|e| Error::InvalidArgument {
                 rank: self.rank,
@@ -380,34 +389,20 @@ impl Communicator {
         (algo.build)(&layout, &mut sched);
         tracing::debug!(rank = self.rank, op = %desc, algo = algo.name, chunk = layout.chunk, ops = sched.len(), "start");
         let rank = self.rank;
-        let region = |ptr: *mut u8,
-                      len: usize,
-                      cache: &RegistrationCache,
-                      t: &dyn Transport|
-         -> Result<Region> {
-            let mr: MemRegion = match cache.lookup(ptr, len) {
+        let transports = self.transport_refs();
+        let region = |ptr: *mut u8, len: usize| -> Result<Region> {
+            let mr: MemRegion = match self.registrations.lookup(ptr, len) {
                 Some(mr) => mr,
-                None => t
-                    .register(ptr, len)
+                None => transport::register_all(&transports, ptr, len)
                     .map_err(|e| Error::collective(rank, desc, e))?,
             };
             Ok(Region { ptr, len, mr })
         };
         let input = match input {
-            Some(b) => Some(region(
-                b.as_ptr().cast_mut(),
-                b.len(),
-                &self.registrations,
-                &*self.transport,
-            )?),
+            Some(b) => Some(region(b.as_ptr().cast_mut(), b.len())?),
             None => None,
         };
-        let output = region(
-            output.as_mut_ptr(),
-            output.len(),
-            &self.registrations,
-            &*self.transport,
-        )?;
+        let output = region(output.as_mut_ptr(), output.len())?;
         let exec = Exec {
             peers: &mut self.conns,
             input,
@@ -422,6 +417,10 @@ impl Communicator {
         };
         exec.run(&sched)
             .map_err(|e| Error::collective(rank, desc, e))
+    }
+
+    fn transport_refs(&self) -> Vec<&dyn Transport> {
+        self.transports.iter().map(|t| &**t).collect()
     }
 
     /// Logs, once per collective, which algorithm runs it and why.
@@ -492,35 +491,6 @@ fn local_ip_towards(dest: SocketAddr) -> IpAddr {
     probe().unwrap_or(dest.ip())
 }
 
-/// One INFO line naming every peer, its host and address.
-fn log_peers(rank: Rank, table: &Table, transport: &str) {
-    if !tracing::enabled!(tracing::Level::INFO) {
-        return;
-    }
-    let me = &table.peers[rank];
-    let peers: Vec<String> = table
-        .peers
-        .iter()
-        .filter(|p| p.rank != rank)
-        .map(|p| {
-            let addr = p
-                .addresses
-                .get(transport)
-                .and_then(|h| rendezvous::from_hex(h));
-            let addr = addr
-                .map(|b| String::from_utf8_lossy(&b).into_owned())
-                .unwrap_or_default();
-            let place = if p.host_id == me.host_id {
-                "same host"
-            } else {
-                p.hostname.as_str()
-            };
-            format!("{} ({place}, {addr})", p.rank)
-        })
-        .collect();
-    tracing::info!(rank, "connected over {transport} to {}", peers.join(", "));
-}
-
 /// Hosts the rendezvous if it is ours to host, then joins it.
 fn meet(
     boot: &Bootstrap,
@@ -542,74 +512,4 @@ fn meet(
         }
     }
     table
-}
-
-/// Connections from higher ranks, as the accepting thread collects them.
-type Accepted = Vec<(Rank, Box<dyn Connection>)>;
-
-/// Connects every pair of ranks once: each rank dials the lower ranks and
-/// accepts the higher ones, both at the same time.
-fn connect_mesh(
-    transport: &dyn Transport,
-    mut listener: Box<dyn Listener>,
-    rank: Rank,
-    table: &Table,
-    deadline: Instant,
-) -> std::result::Result<Vec<Option<Box<dyn Connection>>>, String> {
-    let size = table.peers.len();
-    let token = table.session;
-    let expected = size - 1 - rank;
-    let acceptor = std::thread::spawn(move || -> std::result::Result<Accepted, String> {
-        let mut got: Accepted = Vec::with_capacity(expected);
-        while got.len() < expected {
-            match listener.accept(token, rank, deadline) {
-                Ok((peer, conn))
-                    if peer > rank && peer < size && !got.iter().any(|(r, _)| *r == peer) =>
-                {
-                    got.push((peer, conn))
-                }
-                Ok((peer, _)) => {
-                    tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
-                }
-                Err(e) => {
-                    let missing: Vec<Rank> = (rank + 1..size)
-                        .filter(|r| !got.iter().any(|(g, _)| g == r))
-                        .collect();
-                    return Err(format!("rank(s) {missing:?} never connected: {e}"));
-                }
-            }
-        }
-        Ok(got)
-    });
-    let mut conns: Vec<Option<Box<dyn Connection>>> = (0..size).map(|_| None).collect();
-    let mut first_error = None;
-    for (peer, slot) in conns.iter_mut().enumerate().take(rank) {
-        let blob = table.peers[peer]
-            .addresses
-            .get(transport.name())
-            .and_then(|h| rendezvous::from_hex(h))
-            .ok_or_else(|| format!("rank {peer} published no {} address", transport.name()))?;
-        let hello = Hello {
-            token,
-            from: rank,
-            to: peer,
-        };
-        match transport.connect(&blob, hello, deadline) {
-            Ok(c) => *slot = Some(c),
-            Err(e) => {
-                first_error = Some(format!("could not connect to rank {peer}: {e}"));
-                break;
-            }
-        }
-    }
-    let accepted = acceptor
-        .join()
-        .map_err(|_| "the accepting thread panicked".to_string())?;
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    for (peer, c) in accepted? {
-        conns[peer] = Some(c);
-    }
-    Ok(conns)
 }

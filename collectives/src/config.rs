@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use transport::shm::ShmOptions;
 use transport::tcp::TcpOptions;
 
 /// Settings of a communicator. `Config::from_env()` starts from the defaults
@@ -13,8 +14,9 @@ use transport::tcp::TcpOptions;
 /// | `COLL_CHUNK` | pipeline chunk size, bytes (`K`/`M` suffixes) | 1M |
 /// | `COLL_DEPTH` | chunks in flight per peer and direction | 4 |
 /// | `COLL_ALGO` | force an algorithm, e.g. `ring` or `allreduce=ring,alltoall=pairwise` | selector |
-/// | `COLL_TRANSPORT` | `auto` or `tcp` | auto |
+/// | `COLL_TRANSPORT` | `auto` (shm within a host, tcp between hosts), `tcp`, `shm` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
+/// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -26,9 +28,10 @@ pub struct Config {
     pub depth: usize,
     /// Forced algorithms: `(collective or "*", algorithm name)`.
     pub algo: Vec<(String, String)>,
-    /// `auto` or a transport name.
+    /// `auto` (shared memory within a host, TCP between hosts) or a transport name.
     pub transport: String,
     pub tcp: TcpOptions,
+    pub shm: ShmOptions,
 }
 
 impl Default for Config {
@@ -40,6 +43,7 @@ impl Default for Config {
             algo: Vec::new(),
             transport: "auto".into(),
             tcp: TcpOptions::default(),
+            shm: ShmOptions::default(),
         }
     }
 }
@@ -69,6 +73,9 @@ impl Config {
             c.tcp.socket_buffer =
                 Some(parse_size(&v).map_err(|e| format!("COLL_TCP_BUFFER: {e}"))? as usize);
         }
+        if let Some(v) = var("COLL_SHM_SINGLE_COPY") {
+            c.shm.single_copy = !matches!(v.as_str(), "0" | "false" | "no" | "off");
+        }
         c.validate()?;
         Ok(c)
     }
@@ -83,13 +90,27 @@ impl Config {
         if self.timeout.is_zero() {
             return Err("timeout must be positive".into());
         }
-        if !["auto", "tcp"].contains(&self.transport.as_str()) {
+        if !["auto", "tcp", "shm"].contains(&self.transport.as_str()) {
             return Err(format!(
-                "unknown transport '{}' (one of auto, tcp)",
+                "unknown transport '{}' (one of auto, tcp, shm)",
                 self.transport
             ));
         }
         Ok(())
+    }
+
+    /// What every rank of a job must agree on, as text.
+    pub(crate) fn shared_settings(&self) -> String {
+        format!("transport={} chunk={}", self.transport, self.chunk_bytes)
+    }
+
+    /// The transport for a peer, given whether it shares our host.
+    pub(crate) fn transport_for(&self, same_host: bool) -> Result<&'static str, String> {
+        match (self.transport.as_str(), same_host) {
+            ("tcp", _) | ("auto", false) => Ok("tcp"),
+            ("shm" | "auto", true) => Ok("shm"),
+            _ => Err("the shm transport was forced, but not every rank is on this host".into()),
+        }
     }
 
     /// The algorithm forced for `collective`, if any.

@@ -26,6 +26,7 @@ mod datatype;
 mod descriptor;
 mod error;
 pub mod log;
+mod mesh;
 pub mod reduce;
 mod schedule;
 

@@ -143,14 +143,15 @@ pub(crate) struct Staging {
 
 impl Staging {
     pub fn new(
-        transport: &dyn transport::Transport,
+        transports: &[&dyn transport::Transport],
         slot_bytes: usize,
         slots: usize,
     ) -> transport::Result<Self> {
         // u64 storage keeps every slot aligned for any datatype.
         let slot_bytes = slot_bytes.next_multiple_of(64);
         let mut storage = vec![0u64; slot_bytes * slots / 8];
-        let mr = transport.register(storage.as_mut_ptr().cast(), slot_bytes * slots)?;
+        let mr =
+            transport::register_all(transports, storage.as_mut_ptr().cast(), slot_bytes * slots)?;
         Ok(Staging {
             storage,
             mr,

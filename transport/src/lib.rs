@@ -49,7 +49,7 @@ use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
 pub use error::{Error, Result};
-pub use memory::{MemRegion, RegistrationCache};
+pub use memory::{register_all, MemRegion, RegistrationCache};
 pub use poller::Poller;
 
 #[cfg(target_os = "linux")]

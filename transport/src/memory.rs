@@ -6,15 +6,19 @@ use std::sync::Arc;
 
 use crate::{Result, Transport};
 
-/// A byte range known to a transport. Cloning is cheap; the registration is
-/// released (for verbs: `ibv_dereg_mr`) when the last clone is dropped.
+/// A byte range known to one or more transports. Cloning is cheap; each
+/// transport's registration is released (for verbs: `ibv_dereg_mr`) when the
+/// last clone holding its key is dropped.
 #[derive(Clone)]
 pub struct MemRegion(Arc<RegionInner>);
+
+type Key = Arc<dyn Any + Send + Sync>;
 
 struct RegionInner {
     addr: usize,
     len: usize,
-    key: Box<dyn Any + Send + Sync>,
+    /// One key per transport that registered the range.
+    keys: Vec<Key>,
 }
 
 impl MemRegion {
@@ -23,7 +27,24 @@ impl MemRegion {
         MemRegion(Arc::new(RegionInner {
             addr: addr as usize,
             len,
-            key,
+            keys: vec![Key::from(key)],
+        }))
+    }
+
+    /// One region carrying the keys of several registrations of the same
+    /// range (one per transport), usable on any of their connections.
+    pub fn combine(regions: &[MemRegion]) -> Self {
+        let first = &regions[0].0;
+        assert!(regions
+            .iter()
+            .all(|r| r.0.addr == first.addr && r.0.len == first.len));
+        MemRegion(Arc::new(RegionInner {
+            addr: first.addr,
+            len: first.len,
+            keys: regions
+                .iter()
+                .flat_map(|r| r.0.keys.iter().cloned())
+                .collect(),
         }))
     }
 
@@ -39,9 +60,9 @@ impl MemRegion {
         self.0.len == 0
     }
 
-    /// The transport's own registration data (an MR for verbs).
+    /// A transport's own registration data (an MR for verbs), found by type.
     pub fn key<T: 'static>(&self) -> Option<&T> {
-        self.0.key.downcast_ref()
+        self.0.keys.iter().find_map(|k| k.downcast_ref())
     }
 
     /// Whether `[addr, addr + len)` lies inside this region.
@@ -68,6 +89,19 @@ impl fmt::Debug for MemRegion {
     }
 }
 
+/// Registers the range with every transport, as one region.
+pub fn register_all(
+    transports: &[&dyn Transport],
+    addr: *const u8,
+    len: usize,
+) -> Result<MemRegion> {
+    let regions: Vec<MemRegion> = transports
+        .iter()
+        .map(|t| t.register(addr, len))
+        .collect::<Result<_>>()?;
+    Ok(MemRegion::combine(&regions))
+}
+
 /// Registrations kept for reuse, keyed by address range: a lookup hits when a
 /// cached region contains the requested range, so registering a long-lived
 /// buffer (staging slots, a user buffer registered once) costs nothing after
@@ -88,17 +122,18 @@ impl RegistrationCache {
         self.regions.iter().find(|r| r.contains(addr, len)).cloned()
     }
 
-    /// The cached region containing the range, or a new registration, cached.
+    /// The cached region containing the range, or a new registration with
+    /// every transport, cached.
     pub fn get_or_register(
         &mut self,
-        transport: &dyn Transport,
+        transports: &[&dyn Transport],
         addr: *const u8,
         len: usize,
     ) -> Result<MemRegion> {
         if let Some(r) = self.lookup(addr, len) {
             return Ok(r);
         }
-        let r = transport.register(addr, len)?;
+        let r = register_all(transports, addr, len)?;
         self.regions.push(r.clone());
         Ok(r)
     }

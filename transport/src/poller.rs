@@ -6,30 +6,39 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
 use crate::{Connection, Error, Result, Wake};
 
-/// Decides what an idle progress loop does: spin for a while (a peer's
-/// reply is often microseconds away, and over shared memory a spin round is
-/// a few loads), then sleep in `poll(2)` on every connection's wake-up
-/// descriptor, so oversubscribed ranks (8 on 2 cores) give their core to the
-/// rank that has work instead of burning it.
+/// Decides what an idle progress loop does, in three phases:
+///
+/// 1. spin a few microseconds (a peer's reply is often that close, and over
+///    shared memory a round is a few loads);
+/// 2. keep polling but `sched_yield` each round, up to `patience`: an
+///    oversubscribed rank (8 on 2 cores) hands its core to a rank with work,
+///    while a rank with a core to itself stays awake. Sleeping earlier
+///    invites convoys: a wake-up in a VM costs tens of microseconds, longer
+///    than a short spin, so both ranks of a ping-pong end up sleeping on
+///    every exchange;
+/// 3. sleep in `poll(2)` on every connection's wake-up descriptor.
 #[derive(Debug)]
 pub struct Poller {
-    spin: Duration,
+    patience: Duration,
     idle_since: Option<Instant>,
 }
 
+/// Phase 1: pure spinning.
+const SPIN: Duration = Duration::from_micros(5);
+
 impl Default for Poller {
     fn default() -> Self {
-        Self::new(Self::DEFAULT_SPIN)
+        Self::new(Self::DEFAULT_PATIENCE)
     }
 }
 
 impl Poller {
-    /// How long an idle loop spins before it sleeps.
-    pub const DEFAULT_SPIN: Duration = Duration::from_micros(20);
+    /// How long an idle loop polls (spinning, then yielding) before it sleeps.
+    pub const DEFAULT_PATIENCE: Duration = Duration::from_millis(1);
 
-    pub fn new(spin: Duration) -> Self {
+    pub fn new(patience: Duration) -> Self {
         Poller {
-            spin,
+            patience,
             idle_since: None,
         }
     }
@@ -50,9 +59,13 @@ impl Poller {
         if now >= deadline {
             return Ok(false);
         }
-        let since = *self.idle_since.get_or_insert(now);
-        if now - since < self.spin {
+        let idle = now - *self.idle_since.get_or_insert(now);
+        if idle < SPIN {
             std::hint::spin_loop();
+            return Ok(true);
+        }
+        if idle < self.patience {
+            std::thread::yield_now();
             return Ok(true);
         }
         sleep_until_ready(conns, deadline - now)?;

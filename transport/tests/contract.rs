@@ -5,7 +5,7 @@ use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::time::{Duration, Instant};
 
-use transport::shm::ShmTransport;
+use transport::shm::{ShmOptions, ShmTransport};
 use transport::tcp::{TcpOptions, TcpTransport};
 use transport::{Connection, Error, Hello, Poller, Transport};
 
@@ -21,7 +21,12 @@ fn tcp() -> Box<dyn Transport> {
 }
 
 fn shm() -> Box<dyn Transport> {
-    Box::new(ShmTransport::new())
+    Box::new(ShmTransport::new(ShmOptions::default()))
+}
+
+/// Shared memory with every byte copied through the rings.
+fn shm_two_copies() -> Box<dyn Transport> {
+    Box::new(ShmTransport::new(ShmOptions { single_copy: false }))
 }
 
 /// Rank 0 accepts, rank 1 connects; returns (rank 0's end, rank 1's end).
@@ -201,7 +206,7 @@ macro_rules! contract {
     )*};
 }
 
-contract!(tcp, shm);
+contract!(tcp, shm, shm_two_copies);
 
 #[test]
 fn tcp_refuses_garbage_and_silence() {

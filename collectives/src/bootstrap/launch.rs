@@ -50,7 +50,9 @@ pub fn run(job: &Launch) -> Result<Outcome, String> {
     let server = Server::bind("127.0.0.1:0".parse().unwrap())?;
     let port = server.local_addr().port();
     let token = random_token();
-    let rendezvous = server.spawn(job.nranks, token, Instant::now() + job.timeout);
+    // A job of one has nobody to meet: its rank skips the rendezvous.
+    let rendezvous =
+        (job.nranks > 1).then(|| server.spawn(job.nranks, token, Instant::now() + job.timeout));
     let mut children = Vec::with_capacity(job.nranks);
     for rank in 0..job.nranks {
         match spawn_rank(job, rank, port, token) {
@@ -65,7 +67,7 @@ pub fn run(job: &Launch) -> Result<Outcome, String> {
         }
     }
     let outcome = supervise(&mut children, job.timeout + Duration::from_secs(10));
-    if let Ok(Err(e)) = rendezvous.join() {
+    if let Some(Ok(Err(e))) = rendezvous.map(|r| r.join()) {
         tracing::debug!("rendezvous: {e}");
     }
     Ok(outcome)

@@ -22,6 +22,9 @@ pub struct PeerInfo {
     pub pid: u32,
     /// Transport name to hex-encoded address blob.
     pub addresses: BTreeMap<String, String>,
+    /// Settings every rank must share (transport choice, chunk size), as
+    /// text; the communicator refuses a job whose ranks disagree.
+    pub settings: String,
 }
 
 #[derive(Serialize, Deserialize)]

@@ -38,13 +38,30 @@ use crate::{Connection, Error, Hello, Listener, MemRegion, Rank, Result, Transpo
 /// cross-memory attach works between us (ptrace rules, seccomp, containers).
 static PROBE: u64 = 0x636f_6c6c_7072_6f62;
 
+/// Tuning knobs of the shared-memory transport.
+#[derive(Clone, Copy, Debug)]
+pub struct ShmOptions {
+    /// Let receivers read large messages straight from the sender's memory
+    /// (`process_vm_readv`) when the kernel allows; off means every byte is
+    /// copied through the rings.
+    pub single_copy: bool,
+}
+
+impl Default for ShmOptions {
+    fn default() -> Self {
+        ShmOptions { single_copy: true }
+    }
+}
+
 /// Shared-memory transport.
 #[derive(Debug, Default)]
-pub struct ShmTransport;
+pub struct ShmTransport {
+    options: ShmOptions,
+}
 
 impl ShmTransport {
-    pub fn new() -> Self {
-        ShmTransport
+    pub fn new(options: ShmOptions) -> Self {
+        ShmTransport { options }
     }
 }
 
@@ -58,7 +75,11 @@ impl Transport for ShmTransport {
         let addr = SocketAddr::from_abstract_name(name.as_bytes())
             .map_err(|e| Error::io(None, "listen", &e))?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(None, "listen", &e))?;
-        Ok(Box::new(ShmListener { listener, name }))
+        Ok(Box::new(ShmListener {
+            listener,
+            name,
+            options: self.options,
+        }))
     }
 
     fn connect(
@@ -126,6 +147,7 @@ impl Transport for ShmTransport {
 pub struct ShmListener {
     listener: UnixListener,
     name: String,
+    options: ShmOptions,
 }
 
 impl Listener for ShmListener {
@@ -141,7 +163,7 @@ impl Listener for ShmListener {
     ) -> Result<(Rank, Box<dyn Connection>)> {
         loop {
             let ctl = self.accept_one(deadline)?;
-            match handshake(ctl, token, me, deadline) {
+            match handshake(ctl, token, me, self.options, deadline) {
                 Ok(accepted) => return Ok(accepted),
                 Err(why) => tracing::warn!("refused a shared-memory connection: {why}"),
             }
@@ -187,6 +209,7 @@ fn handshake(
     mut ctl: UnixStream,
     token: u128,
     me: Rank,
+    options: ShmOptions,
     deadline: Instant,
 ) -> std::result::Result<(Rank, Box<dyn Connection>), String> {
     // A stranger gets a second to say hello, not the whole deadline.
@@ -208,7 +231,7 @@ fn handshake(
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment: {e}"))?;
     let (pid, probe, _) = parse_identity(&msg[HELLO_LEN..]);
-    let we_read_them = probe_remote(pid, probe);
+    let we_read_them = options.single_copy && probe_remote(pid, probe);
     let mut reply = wire::encode_ack(me).to_vec();
     reply.extend_from_slice(&std::process::id().to_le_bytes());
     reply.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());

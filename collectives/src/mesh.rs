@@ -1,0 +1,236 @@
+//! A rank's connections to every other rank: which transport each pair
+//! uses (shared memory within a host, TCP between hosts, unless forced),
+//! and setting them up: each rank dials the lower ranks and accepts the
+//! higher ones, all at once.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use transport::shm::ShmTransport;
+use transport::tcp::TcpTransport;
+use transport::{Connection, Hello, Listener, Rank, Transport};
+
+use crate::bootstrap::rendezvous::{self, Table};
+use crate::Config;
+
+/// Every transport this build offers; peers publish an address for each.
+pub(crate) fn available(bind_ip: IpAddr, config: &Config) -> Vec<Arc<dyn Transport>> {
+    vec![
+        Arc::new(TcpTransport::new(bind_ip, config.tcp)),
+        Arc::new(ShmTransport::new(config.shm)),
+    ]
+}
+
+/// A listener per transport, and the address map to publish.
+pub(crate) fn listen(
+    available: &[Arc<dyn Transport>],
+) -> transport::Result<(Vec<Box<dyn Listener>>, BTreeMap<String, String>)> {
+    let listeners: Vec<Box<dyn Listener>> = available
+        .iter()
+        .map(|t| t.listen())
+        .collect::<Result<_, _>>()?;
+    let addresses = available
+        .iter()
+        .zip(&listeners)
+        .map(|(t, l)| (t.name().to_string(), rendezvous::to_hex(&l.address())))
+        .collect();
+    Ok((listeners, addresses))
+}
+
+/// The connections, and how each was made.
+pub(crate) struct Mesh {
+    pub conns: Vec<Option<Box<dyn Connection>>>,
+    /// The transport used to reach each rank (`None` for ourselves).
+    pub via: Vec<Option<&'static str>>,
+    /// The transports some connection uses (all of them in a job of one):
+    /// buffers are registered with each.
+    pub used: Vec<Arc<dyn Transport>>,
+}
+
+/// Checks that the ranks agree on shared settings, picks a transport per
+/// peer, and connects to every peer.
+pub(crate) fn connect(
+    available: &[Arc<dyn Transport>],
+    listeners: Vec<Box<dyn Listener>>,
+    rank: Rank,
+    table: &Table,
+    config: &Config,
+    deadline: Instant,
+) -> Result<Mesh, String> {
+    let me = &table.peers[rank];
+    if let Some(p) = table.peers.iter().find(|p| p.settings != me.settings) {
+        return Err(format!(
+            "rank {} runs with {} but this rank with {}: COLL_TRANSPORT, COLL_CHUNK (or --transport, --chunk) must match on every rank",
+            p.rank, p.settings, me.settings
+        ));
+    }
+    let plan: Vec<Option<usize>> = table
+        .peers
+        .iter()
+        .map(|p| {
+            if p.rank == rank {
+                return Ok(None);
+            }
+            let name = config
+                .transport_for(p.host_id == me.host_id)
+                .map_err(|e| format!("{e} (rank {} is on {})", p.rank, p.hostname))?;
+            Ok(available.iter().position(|t| t.name() == name))
+        })
+        .collect::<Result<_, String>>()?;
+    let acceptors = spawn_acceptors(listeners, rank, &plan, table.session, deadline);
+    let mut conns: Vec<Option<Box<dyn Connection>>> = (0..plan.len()).map(|_| None).collect();
+    let mut first_error = None;
+    for (peer, slot) in conns.iter_mut().enumerate().take(rank) {
+        let t = &available[plan[peer].expect("peers have a transport")];
+        match dial(&**t, table, rank, peer, deadline) {
+            Ok(c) => *slot = Some(c),
+            Err(e) => {
+                first_error = Some(e);
+                break;
+            }
+        }
+    }
+    for acceptor in acceptors {
+        let accepted = acceptor
+            .join()
+            .map_err(|_| "the accepting thread panicked".to_string())?;
+        for (peer, c) in accepted? {
+            conns[peer] = Some(c);
+        }
+    }
+    if let Some(e) = first_error {
+        return Err(e);
+    }
+    let via = plan
+        .iter()
+        .map(|t| t.map(|i| available[i].name()))
+        .collect();
+    let mut used: Vec<Arc<dyn Transport>> = available
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| plan.contains(&Some(*i)))
+        .map(|(_, t)| t.clone())
+        .collect();
+    if used.is_empty() {
+        used = available.to_vec();
+    }
+    Ok(Mesh { conns, via, used })
+}
+
+fn dial(
+    t: &dyn Transport,
+    table: &Table,
+    rank: Rank,
+    peer: Rank,
+    deadline: Instant,
+) -> Result<Box<dyn Connection>, String> {
+    let blob = table.peers[peer]
+        .addresses
+        .get(t.name())
+        .and_then(|h| rendezvous::from_hex(h))
+        .ok_or_else(|| format!("rank {peer} published no {} address", t.name()))?;
+    let hello = Hello {
+        token: table.session,
+        from: rank,
+        to: peer,
+    };
+    t.connect(&blob, hello, deadline)
+        .map_err(|e| format!("could not connect to rank {peer} over {}: {e}", t.name()))
+}
+
+/// Connections from higher ranks, as an accepting thread collects them.
+type Accepted = Vec<(Rank, Box<dyn Connection>)>;
+
+/// A thread per listener that some higher rank will dial.
+fn spawn_acceptors(
+    listeners: Vec<Box<dyn Listener>>,
+    rank: Rank,
+    plan: &[Option<usize>],
+    token: u128,
+    deadline: Instant,
+) -> Vec<JoinHandle<Result<Accepted, String>>> {
+    listeners
+        .into_iter()
+        .enumerate()
+        .filter_map(|(t, listener)| {
+            let expect: Vec<Rank> = (rank + 1..plan.len())
+                .filter(|r| plan[*r] == Some(t))
+                .collect();
+            (!expect.is_empty()).then(|| {
+                std::thread::spawn(move || accept_from(listener, rank, expect, token, deadline))
+            })
+        })
+        .collect()
+}
+
+fn accept_from(
+    mut listener: Box<dyn Listener>,
+    rank: Rank,
+    expect: Vec<Rank>,
+    token: u128,
+    deadline: Instant,
+) -> Result<Accepted, String> {
+    let mut got: Accepted = Vec::with_capacity(expect.len());
+    while got.len() < expect.len() {
+        match listener.accept(token, rank, deadline) {
+            Ok((peer, conn)) if expect.contains(&peer) && !got.iter().any(|(r, _)| *r == peer) => {
+                got.push((peer, conn))
+            }
+            Ok((peer, _)) => {
+                tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
+            }
+            Err(e) => {
+                let missing: Vec<Rank> = expect
+                    .iter()
+                    .copied()
+                    .filter(|r| !got.iter().any(|(g, _)| g == r))
+                    .collect();
+                return Err(format!("rank(s) {missing:?} never connected: {e}"));
+            }
+        }
+    }
+    Ok(got)
+}
+
+/// One INFO line naming every peer, how it is reached, and its address.
+pub(crate) fn log_peers(rank: Rank, table: &Table, via: &[Option<&'static str>]) {
+    if !tracing::enabled!(tracing::Level::INFO) {
+        return;
+    }
+    let me = &table.peers[rank];
+    let peers: Vec<String> = table
+        .peers
+        .iter()
+        .filter(|p| p.rank != rank)
+        .map(|p| {
+            let t = via[p.rank].unwrap_or("?");
+            let addr = p.addresses.get(t).and_then(|h| rendezvous::from_hex(h));
+            let addr = addr
+                .map(|b| String::from_utf8_lossy(&b).into_owned())
+                .unwrap_or_default();
+            let place = if p.host_id == me.host_id {
+                "same host"
+            } else {
+                p.hostname.as_str()
+            };
+            format!("{} via {t} ({place}, {addr})", p.rank)
+        })
+        .collect();
+    tracing::info!(rank, "connected to {}", peers.join(", "));
+}
+
+/// "shm", "tcp" or "shm+tcp": the transports in use, for headers and logs.
+pub(crate) fn summary(via: &[Option<&'static str>]) -> String {
+    let mut names: Vec<&str> = via.iter().flatten().copied().collect();
+    names.sort_unstable();
+    names.dedup();
+    names.reverse();
+    if names.is_empty() {
+        "none (one rank)".into()
+    } else {
+        names.join("+")
+    }
+}
