@@ -24,10 +24,13 @@ pub(crate) fn available(bind_ip: IpAddr, config: &Config) -> Vec<Arc<dyn Transpo
     ]
 }
 
+/// Transport name to hex address blob, as published at the rendezvous.
+pub(crate) type Addresses = BTreeMap<String, String>;
+
 /// A listener per transport, and the address map to publish.
 pub(crate) fn listen(
     available: &[Arc<dyn Transport>],
-) -> transport::Result<(Vec<Box<dyn Listener>>, BTreeMap<String, String>)> {
+) -> transport::Result<(Vec<Box<dyn Listener>>, Addresses)> {
     let listeners: Vec<Box<dyn Listener>> = available
         .iter()
         .map(|t| t.listen())
