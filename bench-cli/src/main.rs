@@ -97,14 +97,16 @@ fn timeout(args: &BenchArgs) -> Result<Duration, String> {
 }
 
 /// The library settings: environment first, flags over it.
-fn config(args: &BenchArgs) -> Result<Config, String> {
+fn config(collective: Collective, args: &BenchArgs) -> Result<Config, String> {
     let mut c = Config::from_env()?;
     c.timeout = timeout(args)?;
     if let Some(t) = &args.transport {
         c.transport = t.clone();
     }
     if let Some(a) = &args.algo {
-        c.algo = collectives::config_algo(a);
+        // --algo names the benchmarked collective's algorithm only.
+        c.algo
+            .push((collective.name().to_string(), a.to_lowercase()));
     }
     if let Some(chunk) = args.chunk {
         c.chunk_bytes = chunk as usize;
@@ -127,8 +129,16 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
         ));
     }
     let launcher = boot.source;
-    let mut comm = Communicator::init(boot, config(args)?).map_err(|e| e.to_string())?;
-    let algo = comm.algorithm(collective).map_err(|e| e.to_string())?.name;
+    let mut comm =
+        Communicator::init(boot, config(collective, args)?).map_err(|e| e.to_string())?;
+    let algo = match comm.config().forced_algo(collective) {
+        Some(_) => {
+            comm.algorithm(collective, 0)
+                .map_err(|e| e.to_string())?
+                .name
+        }
+        None => "selected by size",
+    };
     let max_bytes = *sizes.iter().max().unwrap();
     let mut bench = Bench::new(&mut comm, args, collective, max_bytes);
     let rank0 = bench.comm.rank() == 0;

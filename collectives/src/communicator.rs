@@ -3,9 +3,9 @@
 
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use transport::{Connection, MemRegion, Rank, RegistrationCache, Transport};
+use transport::{Connection, MemRegion, Poller, Rank, RegistrationCache, Transport};
 
 use crate::algo::{self, Algorithm, Layout};
 use crate::bootstrap::rendezvous::{self, PeerInfo, Table};
@@ -44,8 +44,13 @@ pub struct Communicator {
     config: Config,
     seq: u32,
     aborted: Option<String>,
-    /// Collectives whose algorithm choice has been logged.
-    announced: Vec<Collective>,
+    /// (collective, algorithm) pairs whose choice has been logged.
+    announced: Vec<(Collective, &'static str)>,
+    /// An in-place call's input, copied aside for algorithms that need one.
+    scratch: Vec<u64>,
+    /// How long an idle wait spins before yielding (zero when this host's
+    /// ranks outnumber its cores).
+    spin: Duration,
 }
 
 impl Communicator {
@@ -114,6 +119,12 @@ impl Communicator {
                 boot.local_rank
             );
         }
+        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+        let spin = if local_ranks.len() > cores {
+            Duration::ZERO
+        } else {
+            Poller::DEFAULT_SPIN
+        };
         mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(
             rank,
@@ -141,6 +152,8 @@ impl Communicator {
             seq: 0,
             aborted: None,
             announced: Vec::new(),
+            scratch: Vec::new(),
+            spin,
         })
     }
 
@@ -184,17 +197,28 @@ impl Communicator {
         self.via[rank]
     }
 
-    /// The algorithm a call of `collective` would use now.
-    pub fn algorithm(&self, collective: Collective) -> Result<&'static Algorithm> {
-        match self.config.forced_algo(collective.name()) {
-            None => Ok(algo::default_for(collective)),
-            Some(name) => algo::find(collective, name).ok_or_else(|| Error::InvalidArgument {
-                rank: self.rank,
-                message: format!(
-                    "no {collective} algorithm named '{name}' (available: {})",
-                    algo::names(collective).join(", ")
-                ),
-            }),
+    /// The algorithm a call of `collective` on `bytes` per rank would use.
+    pub fn algorithm(&self, collective: Collective, bytes: usize) -> Result<&'static Algorithm> {
+        self.choose(collective, bytes).map(|(a, _)| a)
+    }
+
+    /// The algorithm for a call, and why: forced by configuration, or the selector's pick.
+    fn choose(
+        &self,
+        collective: Collective,
+        bytes: usize,
+    ) -> Result<(&'static Algorithm, &'static str)> {
+        match self.config.forced_algo(collective) {
+            None => Ok(algo::select(collective, bytes, self.size)),
+            Some(name) => algo::find(collective, name)
+                .map(|a| (a, "forced by COLL_ALGO or --algo"))
+                .ok_or_else(|| Error::InvalidArgument {
+                    rank: self.rank,
+                    message: format!(
+                        "no {collective} algorithm named '{name}' (available: {})",
+                        algo::names(collective).join(", ")
+                    ),
+                }),
         }
     }
 
@@ -312,8 +336,8 @@ impl Communicator {
         let result = self
             .check_args(collective, input, output, dtype)
             .and_then(|()| {
-                let algo = self.algorithm(collective)?;
-                self.announce(collective, algo);
+                let (algo, why) = self.choose(collective, output.len())?;
+                self.announce(collective, algo, why);
                 self.execute(desc, algo, input, output)
             });
         if let Err(e) = &result {
@@ -377,6 +401,17 @@ impl Communicator {
         output: &mut [u8],
     ) -> Result<()> {
         let elem = desc.dtype.size();
+        // An algorithm that cannot run in place gets a copy of the input.
+        let mut scratch = std::mem::take(&mut self.scratch);
+        let input = match input {
+            None if !algo.in_place => {
+                scratch.resize(scratch.len().max(output.len().div_ceil(8)), 0);
+                let copy = &mut bytemuck::cast_slice_mut(&mut scratch)[..output.len()];
+                copy.copy_from_slice(output);
+                Some(&*copy)
+            }
+            other => other,
+        };
         let layout = Layout {
             rank: self.rank,
             size: self.size,
@@ -414,25 +449,25 @@ impl Communicator {
             tag: desc.tag(),
             timeout: self.config.timeout,
             depth: self.config.depth,
+            spin: self.spin,
         };
-        exec.run(&sched)
-            .map_err(|e| Error::collective(rank, desc, e))
+        let result = exec
+            .run(&sched)
+            .map_err(|e| Error::collective(rank, desc, e));
+        self.scratch = scratch;
+        result
     }
 
     fn transport_refs(&self) -> Vec<&dyn Transport> {
         self.transports.iter().map(|t| &**t).collect()
     }
 
-    /// Logs, once per collective, which algorithm runs it and why.
-    fn announce(&mut self, collective: Collective, algo: &Algorithm) {
-        if self.announced.contains(&collective) {
+    /// Logs, the first time an algorithm runs a collective, why it was chosen.
+    fn announce(&mut self, collective: Collective, algo: &'static Algorithm, why: &str) {
+        if self.announced.contains(&(collective, algo.name)) {
             return;
         }
-        self.announced.push(collective);
-        let why = match self.config.forced_algo(collective.name()) {
-            Some(_) => "forced by COLL_ALGO or --algo",
-            None => "the default (the only one registered)",
-        };
+        self.announced.push((collective, algo.name));
         tracing::info!(
             rank = self.rank,
             chunk = self.config.chunk_bytes,

@@ -3,6 +3,8 @@
 use std::time::Duration;
 
 use transport::shm::ShmOptions;
+
+use crate::Collective;
 use transport::tcp::TcpOptions;
 
 /// Settings of a communicator. `Config::from_env()` starts from the defaults
@@ -114,11 +116,16 @@ impl Config {
     }
 
     /// The algorithm forced for `collective`, if any.
-    pub fn forced_algo(&self, collective: &str) -> Option<&str> {
+    /// A bare name (`ring`) applies to the collectives that have an
+    /// algorithm of that name; `allreduce=ring` to that collective only,
+    /// where an unknown name is an error when the collective runs.
+    pub fn forced_algo(&self, collective: Collective) -> Option<&str> {
         self.algo
             .iter()
             .rev()
-            .find(|(c, _)| c == collective || c == "*")
+            .find(|(c, a)| {
+                c == collective.name() || (c == "*" && crate::algo::find(collective, a).is_some())
+            })
             .map(|(_, a)| a.as_str())
     }
 }
@@ -194,7 +201,12 @@ mod tests {
             algo: parse_algo("ring, alltoall=pairwise"),
             ..Config::default()
         };
-        assert_eq!(c.forced_algo("allreduce"), Some("ring"));
-        assert_eq!(c.forced_algo("alltoall"), Some("pairwise"));
+        assert_eq!(c.forced_algo(Collective::AllReduce), Some("ring"));
+        assert_eq!(c.forced_algo(Collective::AllToAll), Some("pairwise"));
+        assert_eq!(
+            c.forced_algo(Collective::Barrier),
+            None,
+            "no barrier is called ring"
+        );
     }
 }

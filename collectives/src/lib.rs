@@ -32,7 +32,7 @@ mod schedule;
 
 pub use bootstrap::Bootstrap;
 pub use communicator::{Buffers, Communicator};
-pub use config::{parse_algo as config_algo, parse_seconds, parse_size, Config};
+pub use config::{parse_algo, parse_seconds, parse_size, Config};
 pub use datatype::{DataType, Element};
 pub use descriptor::{Collective, OpDesc};
 pub use error::{Error, Result};

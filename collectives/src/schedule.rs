@@ -3,8 +3,8 @@
 //!
 //! Algorithms only build schedules (see `algo/`): "send this span to peer p
 //! after op k", "receive from p into a staging slot, then reduce it into this
-//! span". The executor keeps up to `depth` operations in flight per peer and
-//! direction, reduces each staged chunk as soon as it lands (so the receive of
+//! span". The executor keeps up to `depth` receives (and more sends) in
+//! flight per peer, reduces each staged chunk as soon as it lands (so the receive of
 //! chunk k+1 overlaps the reduction of chunk k), sleeps in `poll` when nothing
 //! moves, and fails with the peer named when nothing moves for `timeout`.
 
@@ -48,6 +48,9 @@ enum Kind {
     Send,
     Recv,
     Staged(Action),
+    /// An action on this rank's own data: `from` (an input span) instead of
+    /// a staging slot, once `after` is done.
+    Local(Action, Span),
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -91,13 +94,16 @@ impl Schedule {
         self.push(peer, Kind::Recv, span, after)
     }
 
-    /// Receive into a staging slot, then reduce into `span`.
+    /// Receive into a staging slot, then reduce into `span` once `after` is
+    /// done (an order of reductions that every rank follows makes every
+    /// rank's result bitwise identical).
     pub fn recv_reduce(
         &mut self,
         peer: Rank,
         span: Span,
         with: Option<Span>,
         finalize: bool,
+        after: Option<OpId>,
     ) -> OpId {
         debug_assert_eq!(span.buf, Buf::Output);
         debug_assert!(with.is_none_or(|w| w.buf == Buf::Input && w.len == span.len));
@@ -105,8 +111,22 @@ impl Schedule {
             peer,
             Kind::Staged(Action::Reduce { with, finalize }),
             span,
-            None,
+            after,
         )
+    }
+
+    /// Apply `action` from this rank's `from` (an input span) to `span`
+    /// once `after` is done. `me` is this rank.
+    pub fn local(
+        &mut self,
+        me: Rank,
+        action: Action,
+        from: Span,
+        span: Span,
+        after: Option<OpId>,
+    ) -> OpId {
+        debug_assert!(from.buf == Buf::Input && span.buf == Buf::Output && from.len == span.len);
+        self.push(me, Kind::Local(action, from), span, after)
     }
 
     /// Receive into a staging slot, then copy into `span` once `after` is done.
@@ -179,6 +199,8 @@ pub(crate) struct Exec<'a> {
     pub tag: Tag,
     pub timeout: Duration,
     pub depth: usize,
+    /// How long an idle rank spins before it yields its core.
+    pub spin: Duration,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -190,9 +212,13 @@ enum State {
     Done,
 }
 
+/// Sends in flight per peer.
+const SEND_WINDOW: usize = 16;
+
 /// Ops of one peer and direction, in posting order.
 struct Queue {
     peer: Rank,
+    sends: bool,
     ops: Vec<OpId>,
     posted: usize,
     done: usize,
@@ -204,6 +230,9 @@ impl Exec<'_> {
     /// buffers go away.
     pub fn run(mut self, sched: &Schedule) -> transport::Result<()> {
         let mut queues = make_queues(sched);
+        let mut locals: Vec<OpId> = (0..sched.ops.len())
+            .filter(|id| matches!(sched.ops[*id].kind, Kind::Local(..)))
+            .collect();
         let mut involved = vec![false; self.peers.len()];
         queues.iter().for_each(|q| involved[q.peer] = true);
         for (from, to) in &sched.copies {
@@ -218,7 +247,7 @@ impl Exec<'_> {
             next_staged: 0,
             remaining: sched.ops.len(),
         };
-        let mut poller = Poller::default();
+        let mut poller = Poller::new(self.spin, Poller::DEFAULT_PATIENCE);
         let mut last_progress = Instant::now();
         while run.remaining > 0 {
             let mut moved = false;
@@ -231,6 +260,7 @@ impl Exec<'_> {
             for q in &mut queues {
                 moved |= self.complete_ready(sched, q, &mut run)?;
             }
+            moved |= self.run_locals(sched, &mut locals, &mut run);
             if moved {
                 poller.busy();
                 last_progress = Instant::now();
@@ -264,7 +294,15 @@ impl Exec<'_> {
         run: &mut Run,
     ) -> transport::Result<bool> {
         let mut moved = false;
-        while q.posted < q.ops.len() && q.posted - q.done < self.depth {
+        // Sends only point into the caller's memory, so they get a deeper
+        // window than receives, whose depth is bounded by the staging slots:
+        // a peer busy copying one chunk then finds the next ones published.
+        let window = if q.sends {
+            SEND_WINDOW.max(self.depth)
+        } else {
+            self.depth
+        };
+        while q.posted < q.ops.len() && q.posted - q.done < window {
             let id = q.ops[q.posted];
             let op = sched.ops[id];
             let ready = match op.kind {
@@ -275,6 +313,7 @@ impl Exec<'_> {
                 Kind::Staged(_) => {
                     !run.free_slots.is_empty() && run.staged.get(run.next_staged) == Some(&id)
                 }
+                Kind::Local(..) => unreachable!("local ops are in no queue"),
             };
             if !ready {
                 break;
@@ -344,7 +383,9 @@ impl Exec<'_> {
                     let Kind::Staged(action) = op.kind else {
                         unreachable!("only staged receives land")
                     };
-                    self.apply(action, op.span, slot);
+                    // The slot holds a completed receive; no request targets
+                    // it until it is freed below.
+                    self.apply(action, op.span, self.staging.slot(slot, op.span.len));
                     run.free_slots.push(slot);
                 }
                 State::Waiting | State::Done => unreachable!("queue cursor out of step"),
@@ -356,10 +397,27 @@ impl Exec<'_> {
         Ok(moved)
     }
 
-    /// Folds a landed staging slot into `span`.
-    fn apply(&mut self, action: Action, span: Span, slot: usize) {
-        // The slot holds a completed receive; no request targets it until it is freed.
-        let src = self.staging.slot(slot, span.len);
+    /// Applies the local ops whose turn has come, in schedule order.
+    fn run_locals(&mut self, sched: &Schedule, locals: &mut Vec<OpId>, run: &mut Run) -> bool {
+        let before = locals.len();
+        locals.retain(|&id| {
+            let op = sched.ops[id];
+            let Kind::Local(action, from) = op.kind else {
+                unreachable!("only local ops")
+            };
+            if !run.done(op.after) {
+                return true;
+            }
+            self.apply(action, op.span, self.span(from));
+            run.state[id] = State::Done;
+            run.remaining -= 1;
+            false
+        });
+        locals.len() != before
+    }
+
+    /// Folds `src` (a landed staging slot, or this rank's own input) into `span`.
+    fn apply(&self, action: Action, span: Span, src: &[u8]) {
         let dst = self.span_mut(span);
         match action {
             Action::Copy => dst.copy_from_slice(src),
@@ -464,10 +522,14 @@ fn make_queues(sched: &Schedule) -> Vec<Queue> {
     let mut queues: Vec<Queue> = Vec::new();
     let mut index = std::collections::HashMap::new();
     for (id, op) in sched.ops.iter().enumerate() {
+        if matches!(op.kind, Kind::Local(..)) {
+            continue;
+        }
         let key = (op.peer, matches!(op.kind, Kind::Send));
         let qi = *index.entry(key).or_insert_with(|| {
             queues.push(Queue {
                 peer: op.peer,
+                sends: key.1,
                 ops: Vec::new(),
                 posted: 0,
                 done: 0,

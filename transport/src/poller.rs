@@ -19,25 +19,27 @@ use crate::{Connection, Error, Result, Wake};
 /// 3. sleep in `poll(2)` on every connection's wake-up descriptor.
 #[derive(Debug)]
 pub struct Poller {
+    spin: Duration,
     patience: Duration,
     idle_since: Option<Instant>,
 }
 
-/// Phase 1: pure spinning.
-const SPIN: Duration = Duration::from_micros(5);
-
 impl Default for Poller {
     fn default() -> Self {
-        Self::new(Self::DEFAULT_PATIENCE)
+        Self::new(Self::DEFAULT_SPIN, Self::DEFAULT_PATIENCE)
     }
 }
 
 impl Poller {
+    /// How long an idle loop spins before it starts yielding: when every
+    /// rank has a core; when ranks outnumber cores, yield at once.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(5);
     /// How long an idle loop polls (spinning, then yielding) before it sleeps.
     pub const DEFAULT_PATIENCE: Duration = Duration::from_millis(1);
 
-    pub fn new(patience: Duration) -> Self {
+    pub fn new(spin: Duration, patience: Duration) -> Self {
         Poller {
+            spin,
             patience,
             idle_since: None,
         }
@@ -60,7 +62,7 @@ impl Poller {
             return Ok(false);
         }
         let idle = now - *self.idle_since.get_or_insert(now);
-        if idle < SPIN {
+        if idle < self.spin {
             std::hint::spin_loop();
             return Ok(true);
         }

@@ -10,6 +10,7 @@ pub(super) const BARRIER: Algorithm = Algorithm {
     name: "dissemination",
     collective: Collective::Barrier,
     summary: "log2(n) rounds of empty messages to rank + 2^k",
+    in_place: true,
     build,
 };
 

@@ -3,6 +3,7 @@
 //! --algo` all read. An algorithm only builds a [`Schedule`]; it never sees a
 //! transport.
 
+mod direct;
 mod dissemination;
 mod pairwise;
 mod ring;
@@ -61,12 +62,39 @@ pub struct Algorithm {
     pub collective: Collective,
     /// One line for `--help` and logs.
     pub summary: &'static str,
+    /// Whether it runs in place; if not, the communicator copies an in-place
+    /// call's input aside first.
+    pub in_place: bool,
     pub(crate) build: fn(&Layout, &mut Schedule),
 }
 
 /// Every algorithm, by collective; the first of each collective is its default.
-pub static ALGORITHMS: &[Algorithm] =
-    &[ring::ALLREDUCE, pairwise::ALLTOALL, dissemination::BARRIER];
+pub static ALGORITHMS: &[Algorithm] = &[
+    ring::ALLREDUCE,
+    direct::ALLREDUCE,
+    pairwise::ALLTOALL,
+    dissemination::BARRIER,
+];
+
+/// AllReduce sizes up to this many bytes go direct (one step) rather than
+/// around the ring: the crossover measured on one host, 2 ranks and 3-8.
+pub const DIRECT_MAX_BYTES: [usize; 2] = [8 << 10, 32 << 10];
+
+/// The algorithm the selector picks for a call of `bytes` per rank on
+/// `size` ranks, and why.
+pub(crate) fn select(
+    collective: Collective,
+    bytes: usize,
+    size: usize,
+) -> (&'static Algorithm, &'static str) {
+    match collective {
+        Collective::AllReduce if size > 1 && bytes <= DIRECT_MAX_BYTES[usize::from(size > 2)] => (
+            &direct::ALLREDUCE,
+            "small message: one step beats the ring's 2(n-1)",
+        ),
+        _ => (default_for(collective), "the bandwidth-optimal default"),
+    }
+}
 
 /// The algorithm named `name` for `collective`.
 pub fn find(collective: Collective, name: &str) -> Option<&'static Algorithm> {

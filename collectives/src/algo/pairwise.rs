@@ -14,6 +14,7 @@ pub(super) const ALLTOALL: Algorithm = Algorithm {
     name: "pairwise",
     collective: Collective::AllToAll,
     summary: "every rank exchanges a block with every other, all pairs in flight",
+    in_place: true,
     build,
 };
 

@@ -15,6 +15,7 @@ pub(super) const ALLREDUCE: Algorithm = Algorithm {
     name: "ring",
     collective: Collective::AllReduce,
     summary: "reduce-scatter + all-gather around a ring, chunk-pipelined; bandwidth-optimal",
+    in_place: true,
     build,
 };
 
@@ -56,7 +57,7 @@ fn build(l: &Layout, s: &mut Schedule) {
                         buf: Buf::Input,
                         ..c
                     });
-                    s.recv_reduce(prev, c, with, t == n - 2)
+                    s.recv_reduce(prev, c, with, t == n - 2, None)
                 } else {
                     s.recv(prev, c, Some(rs_sends[t - (n - 1)][k]))
                 }
