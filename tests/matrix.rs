@@ -41,6 +41,11 @@ fn matrix_with(ranks: usize, chunk: &str, transport: &str, extra: &[(&str, &str)
     }
 }
 
+// The selector picks direct for small AllReduces and ring for large ones;
+// forcing each algorithm runs it at every size.
+const RING: (&str, &str) = ("COLL_ALGO", "allreduce=ring");
+const DIRECT: (&str, &str) = ("COLL_ALGO", "allreduce=direct");
+
 #[test]
 fn one_rank() {
     matrix(1, "1M", "auto");
@@ -52,8 +57,8 @@ fn two_ranks_shm() {
 }
 
 #[test]
-fn two_ranks_shm_two_copies_small_chunks() {
-    matrix_with(2, "4K", "shm", &[("COLL_SHM_SINGLE_COPY", "0")]);
+fn two_ranks_shm_ring_two_copies_small_chunks() {
+    matrix_with(2, "4K", "shm", &[("COLL_SHM_SINGLE_COPY", "0"), RING]);
 }
 
 #[test]
@@ -62,23 +67,23 @@ fn two_ranks_tcp_small_chunks() {
 }
 
 #[test]
-fn three_ranks_shm_small_chunks() {
-    matrix(3, "4K", "shm");
+fn three_ranks_shm_ring_small_chunks() {
+    matrix_with(3, "4K", "shm", &[RING]);
 }
 
 #[test]
-fn three_ranks_tcp() {
-    matrix(3, "1M", "tcp");
+fn three_ranks_tcp_direct() {
+    matrix_with(3, "1M", "tcp", &[DIRECT]);
 }
 
 #[test]
-fn four_ranks_shm() {
-    matrix(4, "1M", "shm");
+fn four_ranks_shm_direct() {
+    matrix_with(4, "64K", "shm", &[DIRECT]);
 }
 
 #[test]
-fn four_ranks_tcp() {
-    matrix(4, "64K", "tcp");
+fn four_ranks_tcp_ring() {
+    matrix_with(4, "64K", "tcp", &[RING]);
 }
 
 #[test]
@@ -87,6 +92,6 @@ fn eight_ranks_shm() {
 }
 
 #[test]
-fn eight_ranks_tcp() {
-    matrix(8, "1M", "tcp");
+fn eight_ranks_tcp_ring() {
+    matrix_with(8, "1M", "tcp", &[RING]);
 }

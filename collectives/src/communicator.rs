@@ -12,7 +12,7 @@ use crate::bootstrap::rendezvous::{self, PeerInfo, Table};
 use crate::bootstrap::{host, Bootstrap};
 use crate::descriptor::{Collective, OpDesc};
 use crate::mesh;
-use crate::schedule::{Exec, Region, Schedule, Staging};
+use crate::schedule::{Exec, Region, Staging, Workspace};
 use crate::{Config, DataType, Element, Error, ReduceOp, Result};
 
 /// The caller's buffers for one call, as bytes.
@@ -48,6 +48,8 @@ pub struct Communicator {
     announced: Vec<(Collective, &'static str)>,
     /// An in-place call's input, copied aside for algorithms that need one.
     scratch: Vec<u64>,
+    /// The executor's reusable memory.
+    workspace: Workspace,
     /// How long an idle wait spins before yielding (zero when this host's
     /// ranks outnumber its cores).
     spin: Duration,
@@ -153,6 +155,7 @@ impl Communicator {
             aborted: None,
             announced: Vec::new(),
             scratch: Vec::new(),
+            workspace: Workspace::default(),
             spin,
         })
     }
@@ -292,7 +295,7 @@ impl Communicator {
         let bytes: &[u8] = bytemuck::cast_slice(buf);
         let transports: Vec<&dyn Transport> = self.transports.iter().map(|t| &**t).collect();
         self.registrations
-            .get_or_register(&transports, bytes.as_ptr(), bytes.len())
+            .get_or_register(transports.iter().copied(), bytes.as_ptr(), bytes.len())
             .map(drop)
             .map_err(|e| Error::InvalidArgument {
                 rank: self.rank,
@@ -420,15 +423,16 @@ impl Communicator {
             chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
             in_place: input.is_none(),
         };
-        let mut sched = Schedule::default();
-        (algo.build)(&layout, &mut sched);
-        tracing::debug!(rank = self.rank, op = %desc, algo = algo.name, chunk = layout.chunk, ops = sched.len(), "start");
+        let mut ws = std::mem::take(&mut self.workspace);
+        ws.sched.clear();
+        (algo.build)(&layout, &mut ws.sched);
+        tracing::debug!(rank = self.rank, op = %desc, algo = algo.name, chunk = layout.chunk, ops = ws.sched.len(), "start");
         let rank = self.rank;
-        let transports = self.transport_refs();
+        let transports = &self.transports;
         let region = |ptr: *mut u8, len: usize| -> Result<Region> {
             let mr: MemRegion = match self.registrations.lookup(ptr, len) {
                 Some(mr) => mr,
-                None => transport::register_all(&transports, ptr, len)
+                None => transport::register_all(transports.iter().map(|t| &**t), ptr, len)
                     .map_err(|e| Error::collective(rank, desc, e))?,
             };
             Ok(Region { ptr, len, mr })
@@ -452,14 +456,11 @@ impl Communicator {
             spin: self.spin,
         };
         let result = exec
-            .run(&sched)
+            .run(&mut ws)
             .map_err(|e| Error::collective(rank, desc, e));
         self.scratch = scratch;
+        self.workspace = ws;
         result
-    }
-
-    fn transport_refs(&self) -> Vec<&dyn Transport> {
-        self.transports.iter().map(|t| &**t).collect()
     }
 
     /// Logs, the first time an algorithm runs a collective, why it was chosen.

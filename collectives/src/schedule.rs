@@ -8,7 +8,7 @@
 //! chunk k+1 overlaps the reduction of chunk k), sleeps in `poll` when nothing
 //! moves, and fails with the peer named when nothing moves for `timeout`.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use transport::{Connection, MemRegion, Poller, Rank, Request, Tag};
 
@@ -144,6 +144,12 @@ impl Schedule {
     pub fn len(&self) -> usize {
         self.ops.len()
     }
+
+    /// Empties the schedule, keeping its memory for the next call.
+    pub fn clear(&mut self) {
+        self.ops.clear();
+        self.copies.clear();
+    }
 }
 
 /// A caller buffer as the executor sees it.
@@ -170,8 +176,11 @@ impl Staging {
         // u64 storage keeps every slot aligned for any datatype.
         let slot_bytes = slot_bytes.next_multiple_of(64);
         let mut storage = vec![0u64; slot_bytes * slots / 8];
-        let mr =
-            transport::register_all(transports, storage.as_mut_ptr().cast(), slot_bytes * slots)?;
+        let mr = transport::register_all(
+            transports.iter().copied(),
+            storage.as_mut_ptr().cast(),
+            slot_bytes * slots,
+        )?;
         Ok(Staging {
             storage,
             mr,
@@ -215,60 +224,138 @@ enum State {
 /// Sends in flight per peer.
 const SEND_WINDOW: usize = 16;
 
-/// Ops of one peer and direction, in posting order.
+/// Ops of one peer and direction, in posting order: `order[start..start + len]`.
 struct Queue {
     peer: Rank,
     sends: bool,
-    ops: Vec<OpId>,
+    start: usize,
+    len: usize,
     posted: usize,
     done: usize,
 }
 
+impl Queue {
+    /// The `i`-th op of the queue.
+    fn op(&self, order: &[OpId], i: usize) -> OpId {
+        order[self.start + i]
+    }
+}
+
+/// The executor's memory, kept by the communicator and reused by every call
+/// so that a small collective allocates nothing.
+#[derive(Default)]
+pub(crate) struct Workspace {
+    /// The schedule of the current call (cleared before each build).
+    pub sched: Schedule,
+    queues: Vec<Queue>,
+    /// Op ids grouped by queue (a counting sort of the schedule).
+    order: Vec<OpId>,
+    /// Per rank, its send and receive queue's index (`usize::MAX`: none).
+    queue_of: Vec<[usize; 2]>,
+    locals: Vec<OpId>,
+    involved: Vec<bool>,
+    run: Run,
+}
+
+impl Workspace {
+    /// Groups the schedule's ops into per-peer queues and resets the state.
+    fn prepare(&mut self, npeers: usize, slots: usize) {
+        let ops = &self.sched.ops;
+        self.queue_of.clear();
+        self.queue_of.resize(npeers, [usize::MAX; 2]);
+        self.queues.clear();
+        self.locals.clear();
+        for (id, op) in ops.iter().enumerate() {
+            if matches!(op.kind, Kind::Local(..)) {
+                self.locals.push(id);
+                continue;
+            }
+            let sends = matches!(op.kind, Kind::Send);
+            let qi = &mut self.queue_of[op.peer][usize::from(sends)];
+            if *qi == usize::MAX {
+                *qi = self.queues.len();
+                self.queues.push(Queue {
+                    peer: op.peer,
+                    sends,
+                    start: 0,
+                    len: 0,
+                    posted: 0,
+                    done: 0,
+                });
+            }
+            self.queues[*qi].len += 1;
+        }
+        let mut start = 0;
+        for q in &mut self.queues {
+            q.start = start;
+            start += q.len;
+        }
+        self.order.clear();
+        self.order.resize(start, 0);
+        for (id, op) in ops.iter().enumerate() {
+            if !matches!(op.kind, Kind::Local(..)) {
+                let q = &mut self.queues
+                    [self.queue_of[op.peer][usize::from(matches!(op.kind, Kind::Send))]];
+                self.order[q.start + q.posted] = id;
+                q.posted += 1;
+            }
+        }
+        self.queues.iter_mut().for_each(|q| q.posted = 0);
+        self.involved.clear();
+        self.involved.resize(npeers, false);
+        self.queues
+            .iter()
+            .for_each(|q| self.involved[q.peer] = true);
+        let run = &mut self.run;
+        run.state.clear();
+        run.state.resize(ops.len(), State::Waiting);
+        run.free_slots.clear();
+        run.free_slots.extend((0..slots).rev());
+        run.staged.clear();
+        run.staged
+            .extend((0..ops.len()).filter(|id| matches!(ops[*id].kind, Kind::Staged(_))));
+        run.next_staged = 0;
+        run.remaining = ops.len();
+    }
+}
+
 impl Exec<'_> {
-    /// Runs `sched` to completion. Errors name the peer; on error some ops may
-    /// still be posted: the caller must abort the connections before the
-    /// buffers go away.
-    pub fn run(mut self, sched: &Schedule) -> transport::Result<()> {
-        let mut queues = make_queues(sched);
-        let mut locals: Vec<OpId> = (0..sched.ops.len())
-            .filter(|id| matches!(sched.ops[*id].kind, Kind::Local(..)))
-            .collect();
-        let mut involved = vec![false; self.peers.len()];
-        queues.iter().for_each(|q| involved[q.peer] = true);
+    /// Runs the workspace's schedule to completion. Errors name the peer; on
+    /// error some ops may still be posted: the caller must abort the
+    /// connections before the buffers go away.
+    pub fn run(mut self, ws: &mut Workspace) -> transport::Result<()> {
+        ws.prepare(self.peers.len(), self.staging.slots);
+        let Workspace {
+            sched,
+            queues,
+            order,
+            locals,
+            involved,
+            run,
+            ..
+        } = ws;
         for (from, to) in &sched.copies {
             self.span_mut(*to).copy_from_slice(self.span(*from));
         }
-        let mut run = Run {
-            state: vec![State::Waiting; sched.ops.len()],
-            free_slots: (0..self.staging.slots).rev().collect(),
-            staged: (0..sched.ops.len())
-                .filter(|id| matches!(sched.ops[*id].kind, Kind::Staged(_)))
-                .collect(),
-            next_staged: 0,
-            remaining: sched.ops.len(),
-        };
         let mut poller = Poller::new(self.spin, Poller::DEFAULT_PATIENCE);
-        let mut last_progress = Instant::now();
         while run.remaining > 0 {
             let mut moved = false;
-            for q in &mut queues {
-                moved |= self.post_ready(sched, q, &mut run)?;
+            for q in queues.iter_mut() {
+                moved |= self.post_ready(sched, q, order, run)?;
             }
-            for conn in self.involved(&involved) {
+            for conn in self.involved(involved) {
                 moved |= conn.progress()?;
             }
-            for q in &mut queues {
-                moved |= self.complete_ready(sched, q, &mut run)?;
+            for q in queues.iter_mut() {
+                moved |= self.complete_ready(sched, q, order, run)?;
             }
-            moved |= self.run_locals(sched, &mut locals, &mut run);
+            moved |= self.run_locals(sched, locals, run);
             if moved {
                 poller.busy();
-                last_progress = Instant::now();
             } else {
-                let deadline = last_progress + self.timeout;
-                let conns = self.involved(&involved);
-                if !poller.idle(conns, deadline)? {
-                    return Err(self.timeout_error(sched, &queues, last_progress));
+                let timeout = self.timeout;
+                if !poller.idle(self.involved(involved), timeout)? {
+                    return Err(self.timeout_error(sched, queues, order, poller.idle_for()));
                 }
             }
         }
@@ -291,6 +378,7 @@ impl Exec<'_> {
         &mut self,
         sched: &Schedule,
         q: &mut Queue,
+        order: &[OpId],
         run: &mut Run,
     ) -> transport::Result<bool> {
         let mut moved = false;
@@ -302,8 +390,8 @@ impl Exec<'_> {
         } else {
             self.depth
         };
-        while q.posted < q.ops.len() && q.posted - q.done < window {
-            let id = q.ops[q.posted];
+        while q.posted < q.len && q.posted - q.done < window {
+            let id = q.op(order, q.posted);
             let op = sched.ops[id];
             let ready = match op.kind {
                 Kind::Send | Kind::Recv => run.done(op.after),
@@ -359,11 +447,12 @@ impl Exec<'_> {
         &mut self,
         sched: &Schedule,
         q: &mut Queue,
+        order: &[OpId],
         run: &mut Run,
     ) -> transport::Result<bool> {
         let mut moved = false;
         while q.done < q.posted {
-            let id = q.ops[q.done];
+            let id = q.op(order, q.done);
             let op = sched.ops[id];
             match run.state[id] {
                 State::Posted(req, slot) => {
@@ -466,15 +555,16 @@ impl Exec<'_> {
         &self,
         sched: &Schedule,
         queues: &[Queue],
-        since: Instant,
+        order: &[OpId],
+        waited: Duration,
     ) -> transport::Error {
         // Blame the first unfinished receive: it is what a silent peer starves.
         let stuck = queues
             .iter()
-            .filter(|q| q.done < q.ops.len())
-            .min_by_key(|q| matches!(sched.ops[q.ops[0]].kind, Kind::Send))
+            .filter(|q| q.done < q.len)
+            .min_by_key(|q| q.sends)
             .expect("timed out with nothing pending");
-        let op = sched.ops[stuck.ops[stuck.done]];
+        let op = sched.ops[stuck.op(order, stuck.done)];
         let (what, dir) = if matches!(op.kind, Kind::Send) {
             ("send", "to")
         } else {
@@ -482,17 +572,18 @@ impl Exec<'_> {
         };
         transport::Error::Timeout {
             peer: stuck.peer,
-            waited: since.elapsed(),
+            waited,
             waiting_for: format!(
                 "{what} {} of {} {dir} it, {} bytes, not complete",
                 stuck.done + 1,
-                stuck.ops.len(),
+                stuck.len,
                 op.span.len
             ),
         }
     }
 }
 
+#[derive(Default)]
 struct Run {
     state: Vec<State>,
     free_slots: Vec<usize>,
@@ -516,27 +607,4 @@ fn connection(
         .get_mut(peer)
         .and_then(|c| c.as_mut())
         .ok_or_else(|| transport::Error::Invalid(format!("no connection to rank {peer}")))
-}
-
-fn make_queues(sched: &Schedule) -> Vec<Queue> {
-    let mut queues: Vec<Queue> = Vec::new();
-    let mut index = std::collections::HashMap::new();
-    for (id, op) in sched.ops.iter().enumerate() {
-        if matches!(op.kind, Kind::Local(..)) {
-            continue;
-        }
-        let key = (op.peer, matches!(op.kind, Kind::Send));
-        let qi = *index.entry(key).or_insert_with(|| {
-            queues.push(Queue {
-                peer: op.peer,
-                sends: key.1,
-                ops: Vec::new(),
-                posted: 0,
-                done: 0,
-            });
-            queues.len() - 1
-        });
-        queues[qi].ops.push(id);
-    }
-    queues
 }

@@ -8,76 +8,68 @@ use crate::{Result, Transport};
 
 /// A byte range known to one or more transports. Cloning is cheap; each
 /// transport's registration is released (for verbs: `ibv_dereg_mr`) when the
-/// last clone holding its key is dropped.
+/// last clone holding its key is dropped. Transports that read and write any
+/// memory (sockets, shared memory) register nothing: their regions are
+/// plain and cost no allocation.
 #[derive(Clone)]
-pub struct MemRegion(Arc<RegionInner>);
-
-type Key = Arc<dyn Any + Send + Sync>;
-
-struct RegionInner {
+pub struct MemRegion {
     addr: usize,
     len: usize,
-    /// One key per transport that registered the range.
-    keys: Vec<Key>,
+    /// One key per transport that registered the range; `None` if none had to.
+    keys: Option<Arc<[Key]>>,
 }
+
+type Key = Arc<dyn Any + Send + Sync>;
 
 impl MemRegion {
     /// Wraps a transport's registration `key` for `len` bytes at `addr`.
     pub fn new(addr: *const u8, len: usize, key: Box<dyn Any + Send + Sync>) -> Self {
-        MemRegion(Arc::new(RegionInner {
+        MemRegion {
             addr: addr as usize,
             len,
-            keys: vec![Key::from(key)],
-        }))
+            keys: Some(Arc::from([Key::from(key)])),
+        }
     }
 
-    /// One region carrying the keys of several registrations of the same
-    /// range (one per transport), usable on any of their connections.
-    pub fn combine(regions: &[MemRegion]) -> Self {
-        let first = &regions[0].0;
-        assert!(regions
-            .iter()
-            .all(|r| r.0.addr == first.addr && r.0.len == first.len));
-        MemRegion(Arc::new(RegionInner {
-            addr: first.addr,
-            len: first.len,
-            keys: regions
-                .iter()
-                .flat_map(|r| r.0.keys.iter().cloned())
-                .collect(),
-        }))
+    /// A range that needs no registration.
+    pub fn plain(addr: *const u8, len: usize) -> Self {
+        MemRegion {
+            addr: addr as usize,
+            len,
+            keys: None,
+        }
     }
 
     pub fn addr(&self) -> *const u8 {
-        self.0.addr as *const u8
+        self.addr as *const u8
     }
 
     pub fn len(&self) -> usize {
-        self.0.len
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.0.len == 0
+        self.len == 0
     }
 
     /// A transport's own registration data (an MR for verbs), found by type.
     pub fn key<T: 'static>(&self) -> Option<&T> {
-        self.0.keys.iter().find_map(|k| k.downcast_ref())
+        self.keys.as_deref()?.iter().find_map(|k| k.downcast_ref())
     }
 
     /// Whether `[addr, addr + len)` lies inside this region.
     pub fn contains(&self, addr: *const u8, len: usize) -> bool {
         let a = addr as usize;
-        a >= self.0.addr && a + len <= self.0.addr + self.0.len
+        a >= self.addr && a + len <= self.addr + self.len
     }
 
     /// Pointer to `offset` after checking that `offset..offset + len` is inside.
     pub(crate) fn slice_ptr(&self, offset: usize, len: usize) -> Result<*mut u8> {
         match offset.checked_add(len) {
-            Some(end) if end <= self.0.len => Ok((self.0.addr + offset) as *mut u8),
+            Some(end) if end <= self.len => Ok((self.addr + offset) as *mut u8),
             _ => Err(crate::Error::Invalid(format!(
                 "range {offset}..{offset}+{len} is outside a registered region of {} bytes",
-                self.0.len
+                self.len
             ))),
         }
     }
@@ -85,21 +77,28 @@ impl MemRegion {
 
 impl fmt::Debug for MemRegion {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "MemRegion({:#x}+{})", self.0.addr, self.0.len)
+        write!(f, "MemRegion({:#x}+{})", self.addr, self.len)
     }
 }
 
-/// Registers the range with every transport, as one region.
-pub fn register_all(
-    transports: &[&dyn Transport],
+/// Registers the range with every transport, as one region. Allocates
+/// nothing when no transport needs a registration.
+pub fn register_all<'a>(
+    transports: impl IntoIterator<Item = &'a dyn Transport>,
     addr: *const u8,
     len: usize,
 ) -> Result<MemRegion> {
-    let regions: Vec<MemRegion> = transports
-        .iter()
-        .map(|t| t.register(addr, len))
-        .collect::<Result<_>>()?;
-    Ok(MemRegion::combine(&regions))
+    let mut keys: Vec<Key> = Vec::new();
+    for t in transports {
+        if let Some(k) = t.register(addr, len)?.keys {
+            keys.extend(k.iter().cloned());
+        }
+    }
+    Ok(MemRegion {
+        addr: addr as usize,
+        len,
+        keys: (!keys.is_empty()).then(|| Arc::from(keys)),
+    })
 }
 
 /// Registrations kept for reuse, keyed by address range: a lookup hits when a
@@ -124,9 +123,9 @@ impl RegistrationCache {
 
     /// The cached region containing the range, or a new registration with
     /// every transport, cached.
-    pub fn get_or_register(
+    pub fn get_or_register<'a>(
         &mut self,
-        transports: &[&dyn Transport],
+        transports: impl IntoIterator<Item = &'a dyn Transport>,
         addr: *const u8,
         len: usize,
     ) -> Result<MemRegion> {

@@ -51,27 +51,31 @@ impl Poller {
     }
 
     /// Call after a round in which nothing moved. Returns `Ok(false)` once
-    /// `deadline` has passed, `Ok(true)` otherwise (after spinning or waking up).
+    /// nothing has moved for `timeout`, `Ok(true)` otherwise (after spinning,
+    /// yielding or sleeping). Busy rounds read no clock: only idle ones do.
     pub fn idle<'a>(
         &mut self,
         conns: impl Iterator<Item = &'a mut Box<dyn Connection>>,
-        deadline: Instant,
+        timeout: Duration,
     ) -> Result<bool> {
         let now = Instant::now();
-        if now >= deadline {
+        let idle = now - *self.idle_since.get_or_insert(now);
+        if idle >= timeout {
             return Ok(false);
         }
-        let idle = now - *self.idle_since.get_or_insert(now);
         if idle < self.spin {
             std::hint::spin_loop();
-            return Ok(true);
-        }
-        if idle < self.patience {
+        } else if idle < self.patience {
             std::thread::yield_now();
-            return Ok(true);
+        } else {
+            sleep_until_ready(conns, timeout - idle)?;
         }
-        sleep_until_ready(conns, deadline - now)?;
-        Ok(Instant::now() < deadline)
+        Ok(true)
+    }
+
+    /// How long the loop has been idle (zero while busy).
+    pub fn idle_for(&self) -> Duration {
+        self.idle_since.map_or(Duration::ZERO, |t| t.elapsed())
     }
 }
 

@@ -229,9 +229,9 @@ pub fn join(
         info: me,
     };
     send(&mut stream, &request).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
-    let left = deadline
-        .saturating_duration_since(Instant::now())
-        .max(Duration::from_millis(1));
+    // Wait a little past our own deadline: the rendezvous gives up at its
+    // own, and only its answer can say which ranks never came.
+    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
     stream
         .set_read_timeout(Some(left))
         .map_err(|e| e.to_string())?;

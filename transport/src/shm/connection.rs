@@ -131,7 +131,6 @@ impl ShmConnection {
         }
         if moved {
             self.seg.head(dir).store(self.head, PUBLISH);
-            self.ring_peer()?;
         }
         while let Some(last) = self.sends.front().and_then(|s| s.last_slot) {
             if last >= freed {
@@ -197,9 +196,6 @@ impl ShmConnection {
             if self.tail == available {
                 available = self.seg.head(dir).load(OBSERVE);
             }
-        }
-        if moved {
-            self.ring_peer()?;
         }
         Ok(moved)
     }
@@ -407,7 +403,12 @@ impl Connection for ShmConnection {
                 self.seg.sleeping(self.side).store(0, Ordering::Relaxed);
                 self.drain_socket()?;
             }
-            Ok(self.progress_sends()? | self.progress_recvs()?)
+            let moved = self.progress_sends()? | self.progress_recvs()?;
+            // One doorbell check for both rings: it costs a full fence.
+            if moved {
+                self.ring_peer()?;
+            }
+            Ok(moved)
         })();
         if let Err(e) = &result {
             self.failed = Some(e.clone());
