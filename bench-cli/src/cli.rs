@@ -68,9 +68,9 @@ pub struct BenchArgs {
     #[arg(short = 'f', long = "stepfactor", default_value_t = 2.0)]
     pub stepfactor: f64,
 
-    /// Run one size only (sets -b and -e)
-    #[arg(long, value_parser = size)]
-    pub size: Option<u64>,
+    /// Run these sizes only, comma-separated: `--size 8,1M,16M` (instead of -b/-e/-f)
+    #[arg(long, value_delimiter = ',', value_parser = size)]
+    pub size: Option<Vec<u64>>,
 
     /// Timed iterations per size [default: 20, fewer above 64 MiB so a size
     /// moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1 GiB]
@@ -133,10 +133,10 @@ fn secs(s: &str) -> Result<Duration, String> {
 impl BenchArgs {
     /// The sizes of the sweep, in bytes.
     pub fn sizes(&self) -> Result<Vec<u64>, String> {
-        let (lo, hi) = match self.size {
-            Some(s) => (s, s),
-            None => (self.minbytes, self.maxbytes),
-        };
+        if let Some(list) = &self.size {
+            return Ok(list.clone());
+        }
+        let (lo, hi) = (self.minbytes, self.maxbytes);
         if lo > hi {
             return Err(format!("minbytes {lo} is above maxbytes {hi}"));
         }
@@ -146,7 +146,7 @@ impl BenchArgs {
         let mut sizes = vec![lo];
         while let Some(&last) = sizes.last() {
             let next = ((last.max(1)) as f64 * self.stepfactor).round() as u64;
-            if next > hi || lo == hi {
+            if next > hi {
                 break;
             }
             sizes.push(next.max(last + 1));

@@ -153,6 +153,37 @@ fn a_dead_peer_is_closed_not_a_hang(make: fn() -> Box<dyn Transport>) {
     assert!(matches!(err, Error::Closed { peer: 1 }), "{err}");
 }
 
+/// A peer that finished its part and exited must not fail the receiver of
+/// its last message: only waiting for more is an error.
+fn a_peer_that_leaves_after_sending_is_not_an_error(make: fn() -> Box<dyn Transport>) {
+    let (mut c0, mut c1) = pair(make);
+    let t = make();
+    let src = [7u8; 100];
+    let mut dst = [0u8; 100];
+    let (rs, rd) = (
+        t.register(src.as_ptr(), 100).unwrap(),
+        t.register(dst.as_mut_ptr(), 100).unwrap(),
+    );
+    // The receiver waits first and prepares to sleep, as a rank that got
+    // there early does; then the message comes and its sender leaves.
+    // SAFETY: src and dst outlive the requests.
+    let r = unsafe { c0.irecv(&rd, 0, 100, 5).unwrap() };
+    assert!(!c0.progress().unwrap());
+    let _ = c0.wake_source();
+    // SAFETY: as above.
+    unsafe { c1.isend(&rs, 0, 100, 5).unwrap() };
+    c1.progress().unwrap();
+    drop(c1);
+    let mut other = pair(make).1;
+    drive(&mut c0, &mut other, |a, _| a.is_done(r)).unwrap();
+    assert_eq!(dst, src);
+    // Waiting for more from it fails.
+    // SAFETY: as above.
+    unsafe { c0.irecv(&rd, 0, 100, 6).unwrap() };
+    let err = drive(&mut c0, &mut other, |_, _| false).unwrap_err();
+    assert!(matches!(err, Error::Closed { peer: 1 }), "{err}");
+}
+
 fn a_wrong_token_is_refused_and_the_peer_still_gets_in(make: fn() -> Box<dyn Transport>) {
     let t = make();
     let mut listener = t.listen().unwrap();
@@ -196,6 +227,10 @@ macro_rules! contract {
             #[test]
             fn a_dead_peer_is_closed_not_a_hang() {
                 super::a_dead_peer_is_closed_not_a_hang(super::$transport)
+            }
+            #[test]
+            fn a_peer_that_leaves_after_sending_is_not_an_error() {
+                super::a_peer_that_leaves_after_sending_is_not_an_error(super::$transport)
             }
             #[test]
             fn a_wrong_token_is_refused_and_the_peer_still_gets_in() {

@@ -38,6 +38,8 @@ pub struct ShmConnection {
     tail: u64,
     /// Set when we slept on the socket: drain it on the next progress.
     woke: bool,
+    /// The control socket hung up: the peer exited or was killed.
+    peer_gone: bool,
     failed: Option<Error>,
 }
 
@@ -88,6 +90,7 @@ impl ShmConnection {
             head: 0,
             tail: 0,
             woke: false,
+            peer_gone: false,
             failed: None,
         })
     }
@@ -264,7 +267,13 @@ impl ShmConnection {
         let mut buf = [0u8; 64];
         loop {
             match self.ctl.read(&mut buf) {
-                Ok(0) => return Err(Error::Closed { peer: self.peer }),
+                Ok(0) => {
+                    // The peer's process is gone (or closed us). What it
+                    // published stays readable in our mapping: only a wait
+                    // for something more is an error (see `progress`).
+                    self.peer_gone = true;
+                    return Ok(());
+                }
                 Ok(n) => {
                     if let Some(at) = buf[..n].iter().position(|b| *b == ABORT) {
                         return Err(Error::PeerAborted {
@@ -398,14 +407,19 @@ impl Connection for ShmConnection {
     fn progress(&mut self) -> Result<bool> {
         self.check_usable()?;
         let result = (|| -> Result<bool> {
-            if self.woke || self.seg.aborted().load(Ordering::Relaxed) != 0 {
+            if (self.woke || self.seg.aborted().load(Ordering::Relaxed) != 0) && !self.peer_gone {
                 self.woke = false;
                 self.seg.sleeping(self.side).store(0, Ordering::Relaxed);
                 self.drain_socket()?;
             }
             let moved = self.progress_sends()? | self.progress_recvs()?;
-            // One doorbell check for both rings: it costs a full fence.
-            if moved {
+            if self.peer_gone {
+                // Nothing more will come, and nothing we send will be taken.
+                if !moved && self.pending() > 0 {
+                    return Err(Error::Closed { peer: self.peer });
+                }
+            } else if moved {
+                // One doorbell check for both rings: it costs a full fence.
                 self.ring_peer()?;
             }
             Ok(moved)
@@ -427,6 +441,9 @@ impl Connection for ShmConnection {
     fn wake_source(&mut self) -> Wake<'_> {
         if self.pending() == 0 {
             return Wake::Idle;
+        }
+        if self.peer_gone {
+            return Wake::Now;
         }
         self.seg.sleeping(self.side).store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);

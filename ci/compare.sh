@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Side by side on this machine: collbench against Open MPI (Debian's
+# openmpi-bin, its default shared-memory path, driven by ci/mpibench.c with
+# collbench's own sizes, iteration rules, busbw definitions and checks) and,
+# when torch is importable, torch.distributed's Gloo backend
+# (ci/gloo_bench.py). Runs are interleaved (ours, MPI, Gloo, repeat) so
+# machine noise hits all alike; the table shows medians and ratios.
+#
+#   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
+#                 [--collectives "allreduce alltoall"]
+#
+# Needs mpicc and mpirun (installed with apt-get when run as root). Set
+# PYTHON to a Python with torch for the Gloo column.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" collectives="allreduce alltoall"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --reps) reps=$2; shift 2 ;;
+    --ranks) ranks=$2; shift 2 ;;
+    --sizes) sizes=$2; shift 2 ;;
+    --collectives) collectives=$2; shift 2 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
+  esac
+done
+
+if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+  if [ "$(id -u)" = 0 ]; then
+    echo "compare.sh: installing Open MPI (openmpi-bin libopenmpi-dev)..." >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev >/dev/null
+  else
+    echo "compare.sh: needs mpicc and mpirun: apt-get install openmpi-bin libopenmpi-dev" >&2
+    exit 2
+  fi
+fi
+
+out=target/compare
+mkdir -p "$out"
+cargo build --release -q -p collbench
+mpicc -O2 -o "$out/mpibench" ci/mpibench.c
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
+
+python=${PYTHON:-python3}
+gloo=0
+if "$python" -c 'import torch.distributed as d; assert d.is_gloo_available()' 2>/dev/null; then
+  gloo=1
+else
+  echo "compare.sh: no torch with Gloo in $python (set PYTHON); comparing with Open MPI only" >&2
+fi
+
+bytes() { "$python" - "$@" <<'PY'
+import sys
+m = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+print(" ".join(str(int(s[:-1]) * m[s[-1].upper()]) if s[-1].upper() in m else s for s in sys.argv[1:]))
+PY
+}
+sizes_b=$(bytes $sizes)
+list=$(echo $sizes | tr ' ' ',')
+results=$(mktemp -d "$out/run.XXXXXX")
+for rep in $(seq "$reps"); do
+  for coll in $collectives; do
+    for n in $ranks; do
+      echo "compare.sh: repetition $rep/$reps, $coll, $n ranks" >&2
+      target/release/collbench "$coll" -n "$n" --size "$list" -c 1 --json "$results/ours-$coll-$n-$rep.json" >/dev/null
+      mpirun -n "$n" "$out/mpibench" "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
+      if [ $gloo = 1 ]; then
+        "$python" ci/gloo_bench.py "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
+      fi
+    done
+  done
+done
+echo
+"$python" ci/compare_table.py "$results"

@@ -1,0 +1,88 @@
+#!/usr/bin/env python3
+"""Reads the raw results ci/compare.sh collected and prints one table:
+per collective, rank count and size, our median busbw (or time, at sizes
+where time is what matters), Open MPI's and Gloo's, and the ratios.
+
+    compare_table.py RESULTS_DIR
+"""
+import glob
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+LATENCY_BYTES = 64  # below this, compare time, not bandwidth
+
+
+def human(b):
+    for unit in ["B", "KiB", "MiB", "GiB"]:
+        if b < 1024 or unit == "GiB":
+            return f"{b:g} {unit}" if b == int(b) else f"{b:.1f} {unit}"
+        b /= 1024
+
+
+def main(d):
+    # results[(coll, n, size, impl, mode)] = [values]; value = (time_us, busbw, wrong)
+    res = defaultdict(list)
+    for path in glob.glob(os.path.join(d, "ours-*.json")):
+        _, coll, n, _rep = os.path.basename(path)[:-5].split("-")
+        doc = json.load(open(path))
+        for r in doc["rows"]:
+            for mode in ["out_of_place", "in_place"]:
+                m = r[mode]
+                res[(coll, int(n), r["bytes"], "ours", mode)].append((m["time_us"], m["busbw_gbs"], m["wrong"]))
+    for path in glob.glob(os.path.join(d, "mpi-*.txt")) + glob.glob(os.path.join(d, "gloo-*.txt")):
+        impl, coll, n, _rep = os.path.basename(path)[:-4].split("-")
+        for line in open(path):
+            f = line.split()
+            if len(f) == 8 and impl == "mpi":
+                size = int(f[0])
+                res[(coll, int(n), size, "mpi", "out_of_place")].append((float(f[2]), float(f[3]), int(f[4])))
+                res[(coll, int(n), size, "mpi", "in_place")].append((float(f[5]), float(f[6]), int(f[7])))
+            elif len(f) == 5 and impl == "gloo":
+                mode = "in_place" if coll == "allreduce" else "out_of_place"
+                res[(coll, int(n), int(f[0]), "gloo", mode)].append((float(f[2]), float(f[3]), int(f[4])))
+
+    def med(key, i):
+        vals = res.get(key)
+        return statistics.median(v[i] for v in vals) if vals else None
+
+    keys = sorted({(c, n, s) for (c, n, s, _, _) in res})
+    have_gloo = any(k[3] == "gloo" for k in res)
+    head = f"{'collective':<10} {'n':>2} {'size':>8} {'mode':<6} {'metric':<9} {'ours':>9} {'Open MPI':>9} {'ratio':>6}"
+    if have_gloo:
+        head += f" {'Gloo':>9} {'ratio':>6}"
+    print(head)
+    print("-" * len(head))
+    wrong = 0
+    for coll, n, size in keys:
+        for mode, short in [("out_of_place", "oop"), ("in_place", "ip")]:
+            ours_key = (coll, n, size, "ours", mode)
+            if ours_key not in res:
+                continue
+            wrong += sum(v[2] for impl in ["ours", "mpi", "gloo"] for v in res.get((coll, n, size, impl, mode), []))
+            latency = size < LATENCY_BYTES
+            i = 0 if latency else 1
+            metric = "time us" if latency else "busbw GB/s"
+
+            def ratio(theirs):
+                ours = med(ours_key, i)
+                if theirs is None or ours in (None, 0) or theirs == 0:
+                    return "-"
+                # > 1 means we are better: less time, or more bandwidth.
+                return f"{theirs / ours:.2f}" if latency else f"{ours / theirs:.2f}"
+
+            mpi = med((coll, n, size, "mpi", mode), i)
+            row = f"{coll:<10} {n:>2} {human(size):>8} {short:<6} {metric:<9} {med(ours_key, i):>9.2f} "
+            row += f"{mpi:>9.2f} {ratio(mpi):>6}" if mpi is not None else f"{'-':>9} {'-':>6}"
+            if have_gloo:
+                g = med((coll, n, size, "gloo", mode), i)
+                row += f" {g:>9.2f} {ratio(g):>6}" if g is not None else f" {'-':>9} {'-':>6}"
+            print(row)
+    print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B); medians of the repetitions; wrong values in all runs: {wrong}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""The Gloo side of ci/compare.sh: torch.distributed's Gloo backend measured
+with collbench's rules (sizes, iteration counts, time = mean per call,
+maximum over ranks, busbw factors, results checked before timing).
+
+    gloo_bench.py allreduce|alltoall NRANKS SIZE [SIZE...]
+
+Prints one line per size: size count time_us busbw_gbs wrong. AllReduce is
+in place (torch's only form), AllToAll out of place (all_to_all_single).
+"""
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def iterations(nbytes):
+    big = 64 << 20
+    if nbytes <= big:
+        return 20, 5
+    return max(2, -(-20 * big // nbytes)), 0
+
+
+def pattern(rank, count):
+    i = torch.arange(count, dtype=torch.int64)
+    return ((i % 7) - 3 + rank).to(torch.float32)
+
+
+def worker(rank, n, port, coll, sizes):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=n)
+    factor = 2 * (n - 1) / n if coll == "allreduce" else (n - 1) / n
+    for size in sizes:
+        count = size // 4
+        if coll == "alltoall":
+            count = count // n * n
+        src = pattern(rank, count)
+        out = torch.empty(count, dtype=torch.float32)
+
+        def call():
+            if coll == "allreduce":
+                dist.all_reduce(out)
+            else:
+                dist.all_to_all_single(out, src)
+
+        # Check once, then time.
+        out.copy_(src)
+        call()
+        i = torch.arange(count, dtype=torch.int64)
+        if coll == "allreduce":
+            want = (n * ((i % 7) - 3) + n * (n - 1) // 2).to(torch.float32)
+        else:
+            block = max(count // n, 1)
+            frm = i // block
+            want = (((rank * block + i % block) % 7) - 3 + frm).to(torch.float32)
+        wrong = torch.tensor([int((out != want).sum()) if count else 0], dtype=torch.int64)
+        dist.all_reduce(wrong)
+        iters, warmup = iterations(count * 4)
+        for _ in range(warmup):
+            call()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            secs = t.item()
+            busbw = count * 4 / secs / 1e9 * factor if secs > 0 else 0.0
+            print(f"{count * 4} {count} {secs * 1e6:.3f} {busbw:.4f} {int(wrong.item())}", flush=True)
+    dist.destroy_process_group()
+
+
+def main():
+    coll, n, sizes = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(worker, args=(n, port, coll, sizes), nprocs=n)
+
+
+if __name__ == "__main__":
+    main()
