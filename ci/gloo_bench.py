@@ -19,7 +19,9 @@ import torch.multiprocessing as mp
 
 
 def iterations(nbytes):
-    big = 64 << 20
+    small, big = 64 << 10, 64 << 20
+    if nbytes <= small:
+        return 1000, 100
     if nbytes <= big:
         return 20, 5
     return max(2, -(-20 * big // nbytes)), 0

@@ -1,8 +1,8 @@
 /*
  * mpibench: the MPI side of ci/compare.sh. Measures MPI_Allreduce (float,
  * sum) or MPI_Alltoall with collbench's rules, so the two compare directly:
- * same sizes, same iteration counts (20, fewer above 64 MiB; warmup 5, 1
- * above 64 MiB, 0 there when checking), time = mean per call, maximum over
+ * same sizes, same iteration counts (1000 up to 64 KiB, 20 up to 64 MiB,
+ * fewer above; warmup 100, 5, then 0 as the check warms), time = mean per call, maximum over
  * ranks, busbw = algbw x 2(n-1)/n (allreduce) or (n-1)/n (alltoall), and
  * every result element checked before timing. Prints one line per size:
  *   size count oop_time_us oop_busbw_gbs oop_wrong ip_time_us ip_busbw_gbs ip_wrong
@@ -21,10 +21,16 @@ static int rank, nranks;
 static float input(int r, size_t i) { return (float)((int)(i % 7) - 3 + r); }
 
 static void iterations(size_t bytes, int *iters, int *warmup) {
-    const size_t big = 64u << 20;
-    *iters = bytes <= big ? 20 : (int)((20 * big + bytes - 1) / bytes);
-    if (*iters < 2 && bytes > big) *iters = 2;
-    *warmup = bytes <= big ? 5 : 0; /* the check call warms large sizes */
+    const size_t small = 64u << 10, big = 64u << 20;
+    if (bytes <= small) {
+        *iters = 1000, *warmup = 100;
+    } else if (bytes <= big) {
+        *iters = 20, *warmup = 5;
+    } else {
+        *iters = (int)((20 * big + bytes - 1) / bytes);
+        if (*iters < 2) *iters = 2;
+        *warmup = 0; /* the check call warms large sizes */
+    }
 }
 
 static void call(int alltoall, float *send, float *recv, size_t count, int in_place) {

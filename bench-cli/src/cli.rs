@@ -72,13 +72,15 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = size)]
     pub size: Option<Vec<u64>>,
 
-    /// Timed iterations per size [default: 20, fewer above 64 MiB so a size
-    /// moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1 GiB]
+    /// Timed iterations per size [default: 1000 up to 64 KiB, where a call
+    /// takes microseconds and scheduling noise needs averaging out; 20 up to
+    /// 64 MiB; above, fewer, so a size moves about 1.3 GiB per rank: 5 at
+    /// 256 MiB, 2 at 1 GiB]
     #[arg(long)]
     pub iters: Option<usize>,
 
-    /// Untimed iterations before timing [default: 5; above 64 MiB 1, or 0
-    /// when checking, whose call warms up the same buffers]
+    /// Untimed iterations before timing [default: 100 up to 64 KiB, 5 up to
+    /// 64 MiB; above, 1, or 0 when checking, whose call warms the same buffers]
     #[arg(short = 'w', long)]
     pub warmup: Option<usize>,
 
@@ -154,18 +156,21 @@ impl BenchArgs {
         Ok(sizes)
     }
 
-    /// Timed and warm-up iterations for a size.
+    /// Timed and warm-up iterations for a size (ci/mpibench.c and
+    /// ci/gloo_bench.py follow the same rules).
     pub fn iterations(&self, bytes: u64) -> (usize, usize) {
+        const SMALL: u64 = 64 << 10;
         const BIG: u64 = 64 << 20;
-        let iters = self.iters.unwrap_or(if bytes <= BIG {
-            20
-        } else {
-            (20 * BIG).div_ceil(bytes).max(2) as usize
+        let iters = self.iters.unwrap_or(match bytes {
+            b if b <= SMALL => 1000,
+            b if b <= BIG => 20,
+            b => (20 * BIG).div_ceil(b).max(2) as usize,
         });
-        let warmup = self.warmup.unwrap_or(match (bytes <= BIG, self.check) {
-            (true, _) => 5,
-            (false, 0) => 1,
-            (false, _) => 0,
+        let warmup = self.warmup.unwrap_or(match (bytes, self.check) {
+            (b, _) if b <= SMALL => 100,
+            (b, _) if b <= BIG => 5,
+            (_, 0) => 1,
+            _ => 0,
         });
         (iters.max(1), warmup)
     }

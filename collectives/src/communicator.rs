@@ -339,6 +339,10 @@ impl Communicator {
         let result = self
             .check_args(collective, input, output, dtype)
             .and_then(|()| {
+                // Nothing to move (as in NCCL and MPI); barriers always run.
+                if output.is_empty() && collective != Collective::Barrier {
+                    return Ok(());
+                }
                 let (algo, why) = self.choose(collective, output.len())?;
                 self.announce(collective, algo, why);
                 self.execute(desc, algo, input, output)

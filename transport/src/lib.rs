@@ -1,4 +1,5 @@
-//! The transport contract, and its implementations (today: [`tcp`]).
+//! The transport contract, and its implementations: [`tcp`] between hosts,
+//! [`shm`] (shared memory) between ranks of one host.
 //!
 //! A transport moves bytes between two ranks. It knows nothing of datatypes or
 //! collectives: algorithms above it see peers and registered buffers only through
@@ -35,9 +36,21 @@
 //!   Staging for reductions is owned by the algorithm layer: it registers a fixed
 //!   set of chunk-sized slots once and reuses them.
 //! * **Every wait has a deadline.** Nothing here blocks without one: a [`Poller`]
-//!   sleeps on the connections' wake-up descriptors (socket, completion channel,
-//!   eventfd) until progress or the deadline, and a dead peer surfaces as
-//!   [`Error::Closed`] or [`Error::Timeout`] naming the peer rank.
+//!   spins, yields, then sleeps on the connections' wake-up descriptors (a
+//!   socket, a verbs completion channel, a shared-memory doorbell) until
+//!   progress or the timeout; [`Connection::wake_source`] lets a connection arm
+//!   its descriptor first (verbs must request a completion event, shared
+//!   memory raises a "sleeping" flag) and say "do not sleep" if work arrived
+//!   meanwhile. A dead peer surfaces as [`Error::Closed`] or
+//!   [`Error::Timeout`] naming the peer rank.
+//!
+//! # How the transports fit it
+//!
+//! | | connection setup | registration | data path | back-pressure | wake-up |
+//! |---|---|---|---|---|---|
+//! | [`tcp`] | `ip:port`, hello with token | none | framed stream, read into the posted buffer | socket buffers, TCP window | socket fd |
+//! | [`shm`] | abstract Unix socket; segment fd passed with `SCM_RIGHTS` | none | slot rings; large messages read with `process_vm_readv` | ring slots are credits | doorbell byte on the socket |
+//! | verbs (next) | QP number, GID, PSN | `ibv_reg_mr`, cached | RDMA WRITE with immediate into posted buffers | receive credits | completion channel fd |
 
 mod error;
 mod memory;

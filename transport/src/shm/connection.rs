@@ -55,6 +55,8 @@ struct Outgoing {
     published: usize,
     /// Slot sequence number of the last fragment, once published.
     last_slot: Option<u64>,
+    /// Whether the receiver reads it from our memory (`process_vm_readv`).
+    remote: bool,
 }
 
 struct Incoming {
@@ -135,9 +137,13 @@ impl ShmConnection {
         if moved {
             self.seg.head(dir).store(self.head, PUBLISH);
         }
-        while let Some(last) = self.sends.front().and_then(|s| s.last_slot) {
-            if last >= freed {
-                break;
+        // A message copied into the slots is done once published: the
+        // caller's buffer is free. One the peer reads from our memory is
+        // done when the peer hands its slot back.
+        while let Some(out) = self.sends.front() {
+            match out.last_slot {
+                Some(last) if !out.remote || last < freed => {}
+                _ => break,
             }
             self.sends.pop_front();
             self.publishing -= 1;
@@ -153,6 +159,7 @@ impl ShmConnection {
         let remote_reads = self.remote_reads;
         let out = &mut self.sends[i];
         let remote = remote_reads && out.len > EAGER_MAX;
+        out.remote = remote;
         let len = if remote {
             out.len
         } else {
@@ -323,8 +330,7 @@ impl ShmConnection {
         let retire = self
             .sends
             .front()
-            .and_then(|s| s.last_slot)
-            .is_some_and(|last| last < freed);
+            .is_some_and(|s| s.last_slot.is_some_and(|last| !s.remote || last < freed));
         incoming || can_publish || retire || self.seg.aborted().load(Ordering::Relaxed) != 0
     }
 }
@@ -382,6 +388,7 @@ impl Connection for ShmConnection {
             tag,
             published: 0,
             last_slot: None,
+            remote: false,
         });
         Ok(self.post(Direction::Send))
     }
