@@ -35,7 +35,7 @@ fn main() -> ExitCode {
         };
         let outcome = launch::run(&job).unwrap();
         for f in &outcome.failures {
-            eprintln!("launcher: {f}");
+            collectives::log::eprint_line(&format!("launcher: {f}"));
         }
         return if outcome.success() {
             ExitCode::SUCCESS
@@ -52,7 +52,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("{e}");
+            collectives::log::eprint_line(&e);
             ExitCode::FAILURE
         }
     }

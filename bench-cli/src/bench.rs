@@ -162,7 +162,7 @@ impl<'a> Bench<'a> {
         if std::io::stderr().is_terminal() {
             eprint!("\r{line}\x1b[K{}", if done == iters { "\n" } else { "" });
         } else {
-            eprintln!("{line}");
+            collectives::log::eprint_line(&line);
         }
     }
 }

@@ -45,7 +45,7 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
-            eprintln!("collbench: {e}");
+            collectives::log::eprint_line(&format!("collbench: {e}"));
             ExitCode::from(FAILED)
         }
     }
@@ -79,7 +79,7 @@ fn launch_local(n: usize, args: &BenchArgs) -> Result<u8, String> {
     };
     let outcome = launch::run(&job)?;
     for f in &outcome.failures {
-        eprintln!("collbench: {f}");
+        collectives::log::eprint_line(&format!("collbench: {f}"));
     }
     Ok(match outcome.worst_status {
         0 => 0,

@@ -26,3 +26,14 @@ pub fn init() {
         .with_target(false)
         .try_init();
 }
+
+/// Writes `text` and a newline to stderr in one `write`, so that the lines
+/// of ranks sharing a terminal or pipe never interleave mid-line
+/// (`eprintln!` may write the text and the newline separately).
+pub fn eprint_line(text: &str) {
+    use std::io::Write;
+    let mut line = String::with_capacity(text.len() + 1);
+    line.push_str(text);
+    line.push('\n');
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
+}
