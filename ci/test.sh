@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's test command (the README's): formatting and lints, one
 # release build, every test from that build, then the checked collbench runs
-# that show the main job works. Needs only the Rust toolchain.
+# that show the main job works, and a smoke run of the Open MPI comparison
+# when mpicc is there. Needs only the Rust toolchain (and Open MPI for the
+# last step, which .ci/run installs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,9 +29,18 @@ step "tests"
 cargo test --release --workspace
 
 bench=target/release/collbench
-step "checked sweeps over TCP, 4 ranks"
-$bench allreduce -n 4 -b 8 -e 256M -f 4 -c 1 --transport tcp
-$bench alltoall -n 4 -b 8 -e 256M -f 4 -c 1 --transport tcp
+step "checked sweeps, 4 ranks, over TCP and shared memory"
+for t in tcp shm; do
+  $bench allreduce -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
+  $bench alltoall -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
+done
 
 step "the main job: 8 ranks x 1 GiB"
 $bench allreduce -n 8 --size 1G
+
+if command -v mpicc >/dev/null && command -v mpirun >/dev/null; then
+  step "comparison with Open MPI (smoke run: one repetition, 2 ranks)"
+  ci/compare.sh --reps 1 --ranks 2 --sizes "8 1M" --collectives "allreduce alltoall"
+else
+  echo "note: no mpicc/mpirun; skipping the comparison smoke run (.ci/run installs Open MPI)"
+fi

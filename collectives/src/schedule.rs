@@ -69,7 +69,8 @@ struct Op {
 #[derive(Debug, Default)]
 pub(crate) struct Schedule {
     ops: Vec<Op>,
-    /// Local copies `(from, to)`, done before any op is posted.
+    /// Local copies `(from, to)`, done once the first ops are posted; no
+    /// receive may target their spans.
     copies: Vec<(Span, Span)>,
 }
 
@@ -135,7 +136,7 @@ impl Schedule {
         self.push(peer, Kind::Staged(Action::Copy), span, after)
     }
 
-    /// Copy `from` (input) to `to` (output) locally, before the exchange starts.
+    /// Copy `from` (input) to `to` (output) locally, as the exchange starts.
     pub fn copy(&mut self, from: Span, to: Span) {
         debug_assert!(from.buf == Buf::Input && to.buf == Buf::Output && from.len == to.len);
         self.copies.push((from, to));
@@ -334,17 +335,23 @@ impl Exec<'_> {
             run,
             ..
         } = ws;
-        for (from, to) in &sched.copies {
-            self.span_mut(*to).copy_from_slice(self.span(*from));
-        }
         let mut poller = Poller::new(self.spin, Poller::DEFAULT_PATIENCE);
-        while run.remaining > 0 {
+        let mut copies = sched.copies.as_slice();
+        loop {
             let mut moved = false;
             for q in queues.iter_mut() {
                 moved |= self.post_ready(sched, q, order, run)?;
             }
             for conn in self.involved(involved) {
                 moved |= conn.progress()?;
+            }
+            // Local copies once the first sends are out, so that peers
+            // start reading while this rank copies its own block.
+            for (from, to) in std::mem::take(&mut copies) {
+                self.span_mut(*to).copy_from_slice(self.span(*from));
+            }
+            if run.remaining == 0 {
+                break;
             }
             for q in queues.iter_mut() {
                 moved |= self.complete_ready(sched, q, order, run)?;
