@@ -9,7 +9,7 @@
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall"]
 #
-# Needs mpicc and mpirun (installed with apt-get when run as root). Set
+# Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,12 +26,14 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-if ! command -v mpicc >/dev/null || ! command -v mpirun >/dev/null; then
+# Open MPI's own compiler wrapper and launcher: with MPICH installed too,
+# plain mpicc and mpirun may belong to different MPIs.
+if ! command -v mpicc.openmpi >/dev/null || ! command -v mpirun.openmpi >/dev/null; then
   if [ "$(id -u)" = 0 ]; then
     echo "compare.sh: installing Open MPI (openmpi-bin libopenmpi-dev)..." >&2
     DEBIAN_FRONTEND=noninteractive apt-get install -y -q openmpi-bin libopenmpi-dev >/dev/null
   else
-    echo "compare.sh: needs mpicc and mpirun: apt-get install openmpi-bin libopenmpi-dev" >&2
+    echo "compare.sh: needs Open MPI: apt-get install openmpi-bin libopenmpi-dev" >&2
     exit 2
   fi
 fi
@@ -39,7 +41,7 @@ fi
 out=target/compare
 mkdir -p "$out"
 cargo build --release -q -p collbench
-mpicc -O2 -o "$out/mpibench" ci/mpibench.c
+mpicc.openmpi -O2 -o "$out/mpibench" ci/mpibench.c
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 python=${PYTHON:-python3}
@@ -64,7 +66,7 @@ for rep in $(seq "$reps"); do
     for n in $ranks; do
       echo "compare.sh: repetition $rep/$reps, $coll, $n ranks" >&2
       target/release/collbench "$coll" -n "$n" --size "$list" -c 1 --json "$results/ours-$coll-$n-$rep.json" >/dev/null
-      mpirun -n "$n" "$out/mpibench" "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
+      mpirun.openmpi -n "$n" "$out/mpibench" "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
       if [ $gloo = 1 ]; then
         "$python" ci/gloo_bench.py "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
       fi

@@ -44,7 +44,8 @@ fn main() -> ExitCode {
         };
     }
     collectives::log::init();
-    let rank_env = std::env::var("RANK").unwrap_or_default();
+    // The rank as any launcher tells it (RANK, Open MPI, MPICH, Slurm).
+    let rank_env = collectives::Bootstrap::from_env().map_or(String::new(), |b| b.rank.to_string());
     println!("pid {rank_env} {}", std::process::id());
     match run(mode) {
         Ok(()) => {
@@ -60,7 +61,7 @@ fn main() -> ExitCode {
 
 fn run(mode: &[String]) -> Result<(), String> {
     let name = mode.first().map(String::as_str).unwrap_or("");
-    if name == "late" && std::env::var("RANK").as_deref() == Ok("1") {
+    if name == "late" && collectives::Bootstrap::from_env().is_ok_and(|b| b.rank == 1) {
         let t = collectives::Config::from_env()?.timeout;
         std::thread::sleep(t + Duration::from_secs(2));
     }

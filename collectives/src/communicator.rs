@@ -1,15 +1,14 @@
 //! The communicator: a rank's connections to every other rank of the job,
 //! and the collective calls on them.
 
-use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use transport::{Connection, MemRegion, Poller, Rank, RegistrationCache, Transport};
 
 use crate::algo::{self, Algorithm, Layout};
-use crate::bootstrap::rendezvous::{self, PeerInfo, Table};
-use crate::bootstrap::{host, Bootstrap};
+use crate::bootstrap::rendezvous::PeerInfo;
+use crate::bootstrap::{self, host, Bootstrap};
 use crate::descriptor::{Collective, OpDesc};
 use crate::mesh;
 use crate::schedule::{Exec, Region, Staging, Workspace};
@@ -77,9 +76,7 @@ impl Communicator {
         let fail = |message: String| Error::Bootstrap { rank, message };
         config.validate().map_err(fail)?;
         let deadline = Instant::now() + config.timeout;
-        let bind_ip = boot
-            .rendezvous
-            .map_or(IpAddr::from([127, 0, 0, 1]), local_ip_towards);
+        let bind_ip = boot.local_ip();
         let available = mesh::available(bind_ip, &config);
         let (listeners, addresses) = mesh::listen(&available).map_err(|e| fail(e.to_string()))?;
         let (hostname, host_id) = host::identity();
@@ -91,13 +88,7 @@ impl Communicator {
             addresses,
             settings: config.shared_settings(),
         };
-        let table = match boot.rendezvous {
-            None => Table {
-                session: 0,
-                peers: vec![me],
-            },
-            Some(addr) => meet(&boot, addr, me, deadline).map_err(fail)?,
-        };
+        let table = bootstrap::meet(&boot, me, deadline).map_err(fail)?;
         let mesh =
             mesh::connect(&available, listeners, rank, &table, &config, deadline).map_err(fail)?;
         let used: Vec<&dyn Transport> = mesh.used.iter().map(|t| &**t).collect();
@@ -511,45 +502,4 @@ fn env_rank() -> Rank {
         .iter()
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
         .unwrap_or(0)
-}
-
-/// The local address the kernel would use to reach `dest`: the address peers
-/// on that network can reach us at (no packet is sent).
-fn local_ip_towards(dest: SocketAddr) -> IpAddr {
-    let probe = || -> std::io::Result<IpAddr> {
-        let unspecified: SocketAddr = if dest.is_ipv4() {
-            "0.0.0.0:0"
-        } else {
-            "[::]:0"
-        }
-        .parse()
-        .unwrap();
-        let s = UdpSocket::bind(unspecified)?;
-        s.connect(dest)?;
-        Ok(s.local_addr()?.ip())
-    };
-    probe().unwrap_or(dest.ip())
-}
-
-/// Hosts the rendezvous if it is ours to host, then joins it.
-fn meet(
-    boot: &Bootstrap,
-    addr: SocketAddr,
-    me: PeerInfo,
-    deadline: Instant,
-) -> std::result::Result<Table, String> {
-    let server = if boot.hosts_rendezvous {
-        Some(rendezvous::Server::bind(addr)?.spawn(boot.size, boot.job_token, deadline))
-    } else {
-        None
-    };
-    let table = rendezvous::join(addr, boot.job_token, boot.size, me, deadline);
-    if let Some(server) = server {
-        match server.join() {
-            Ok(Err(e)) if table.is_ok() => return Err(e),
-            Err(_) => return Err("the rendezvous thread panicked".into()),
-            _ => {}
-        }
-    }
-    table
 }

@@ -1,30 +1,66 @@
-//! How ranks find each other. Three sources of "who am I, how many are we,
-//! where is the rendezvous", one interface ([`Bootstrap::from_env`]):
+//! How ranks find each other: "who am I, how many are we" from the
+//! environment, and "where do we meet" (the rendezvous, where every rank
+//! publishes its host identity and transport addresses and receives
+//! everyone's, plus a session token every transport connection presents).
 //!
-//! * the local launcher (`collbench -n 8`, [`launch`]): it hosts the
-//!   rendezvous itself and sets the variables below plus `COLL_LAUNCHER=1`;
+//! Sources of rank and size ([`Bootstrap::from_env`]):
+//!
+//! * the local launcher (`collbench -n 8`, [`launch`]), which also hosts the
+//!   rendezvous and sets the torchrun variables plus `COLL_LAUNCHER=1`;
 //! * torchrun-style variables: `RANK`, `WORLD_SIZE`, `LOCAL_RANK`,
-//!   `MASTER_ADDR`, `MASTER_PORT`; rank 0 hosts the rendezvous;
-//! * launcher variables: Open MPI's `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK`,
-//!   MPICH/PMI's `PMI_RANK/PMI_SIZE/MPI_LOCALRANKID`, with `MASTER_ADDR`
-//!   and `MASTER_PORT` for the rendezvous.
+//!   `LOCAL_WORLD_SIZE`;
+//! * Open MPI: `OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE`;
+//! * MPICH (hydra): `PMI_RANK/PMI_SIZE`, `MPI_LOCALRANKID/MPI_LOCALNRANKS`;
+//! * Slurm: `SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID`.
 //!
-//! At the rendezvous every rank publishes its host identity and transport
-//! addresses and receives everyone's, plus a session token that every
-//! transport connection must present.
+//! Where the ranks meet ([`Meeting`]), first that applies:
+//!
+//! 1. `MASTER_ADDR:MASTER_PORT`: rank 0 listens there (torchrun's way;
+//!    under torchrun's agent, whose own store holds `MASTER_PORT`, ranks of
+//!    one host meet as in 3, ranks of several on `MASTER_PORT + 1` or
+//!    `COLL_MASTER_PORT`);
+//! 2. `PMI_FD` (MPICH's launcher): rank 0 listens on a port of its own and
+//!    publishes it in the launcher's key-value space: works across hosts;
+//! 3. every rank on this host (the launcher's local size equals the world
+//!    size): rank 0 announces its rendezvous on an abstract Unix socket
+//!    named after the job (Open MPI's namespace, Slurm's job and step, or
+//!    the launcher's pid that all local ranks share as parent);
+//! 4. otherwise it is an error that says to set `MASTER_ADDR`/`MASTER_PORT`.
 
 pub mod host;
 pub mod launch;
+mod meet;
+mod pmi;
 pub mod rendezvous;
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::os::fd::RawFd;
 
 use transport::Rank;
+
+pub(crate) use meet::meet;
 
 /// Environment variable the local launcher sets in each rank.
 pub const LAUNCHER_VAR: &str = "COLL_LAUNCHER";
 /// Environment variable carrying the job token (hex).
 pub const TOKEN_VAR: &str = "COLL_JOB_TOKEN";
+
+/// Where the ranks of a job meet.
+#[derive(Clone, Debug)]
+pub enum Meeting {
+    /// A known address. Rank 0 hosts the rendezvous there unless a launcher
+    /// does; every connection must present `token`.
+    Address {
+        addr: SocketAddr,
+        hosted_by_launcher: bool,
+        token: u128,
+    },
+    /// MPICH's launcher: rank 0's address travels through PMI-1 on this fd.
+    Pmi { fd: RawFd },
+    /// Every rank is on this host: rank 0 announces its rendezvous on the
+    /// abstract Unix socket `coll-rendezvous-<key>`.
+    Local { key: String },
+}
 
 /// This process's place in the job, before any connection exists.
 #[derive(Clone, Debug)]
@@ -34,15 +70,46 @@ pub struct Bootstrap {
     /// What the launcher says our rank on this host is (checked against the
     /// rendezvous's view, which is authoritative).
     pub local_rank: Option<usize>,
-    /// Where the rendezvous listens; `None` for a single rank.
-    pub rendezvous: Option<SocketAddr>,
-    /// Whether this process hosts the rendezvous (rank 0, unless a launcher does).
-    pub hosts_rendezvous: bool,
-    /// Shared by every rank of the job; refuses strangers at the rendezvous.
-    pub job_token: u128,
+    /// How to meet the other ranks; `None` for a job of one.
+    pub meeting: Option<Meeting>,
     /// Where rank and size came from, for logs.
     pub source: &'static str,
 }
+
+/// The variables a launcher sets: rank, size, local rank, local size.
+struct Source {
+    name: &'static str,
+    vars: [&'static str; 4],
+}
+
+const SOURCES: [Source; 4] = [
+    Source {
+        name: "environment (RANK, WORLD_SIZE)",
+        vars: ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"],
+    },
+    Source {
+        name: "Open MPI",
+        vars: [
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ],
+    },
+    Source {
+        name: "MPICH (PMI)",
+        vars: ["PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"],
+    },
+    Source {
+        name: "Slurm",
+        vars: [
+            "SLURM_PROCID",
+            "SLURM_NTASKS",
+            "SLURM_LOCALID",
+            "SLURM_NTASKS_PER_NODE",
+        ],
+    },
+];
 
 impl Bootstrap {
     /// A job of one rank: no rendezvous, no peers.
@@ -51,9 +118,7 @@ impl Bootstrap {
             rank: 0,
             size: 1,
             local_rank: Some(0),
-            rendezvous: None,
-            hosts_rendezvous: false,
-            job_token: 0,
+            meeting: None,
             source: "single process",
         }
     }
@@ -61,52 +126,136 @@ impl Bootstrap {
     /// Reads the environment (see the module docs). With none of the
     /// variables set, this is a job of one rank.
     pub fn from_env() -> Result<Self, String> {
-        let (source, rank_var, size_var, local_var) = if var("RANK").is_some() {
-            let src = if var(LAUNCHER_VAR).is_some() {
-                "collbench launcher"
-            } else {
-                "environment (RANK, WORLD_SIZE)"
-            };
-            (src, "RANK", "WORLD_SIZE", "LOCAL_RANK")
-        } else if var("OMPI_COMM_WORLD_RANK").is_some() {
-            (
-                "Open MPI",
-                "OMPI_COMM_WORLD_RANK",
-                "OMPI_COMM_WORLD_SIZE",
-                "OMPI_COMM_WORLD_LOCAL_RANK",
-            )
-        } else if var("PMI_RANK").is_some() {
-            ("MPICH (PMI)", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID")
-        } else {
+        let Some(src) = SOURCES.iter().find(|s| var(s.vars[0]).is_some()) else {
             return Ok(Self::single());
         };
+        let [rank_var, size_var, local_var, local_size_var] = src.vars;
         let rank: usize = number(rank_var)?;
         let size: usize = number(size_var)?;
         if size == 0 || rank >= size {
             return Err(format!("{rank_var}={rank} is not below {size_var}={size}"));
         }
         let local_rank = var(local_var).map(|_| number(local_var)).transpose()?;
-        let mut b = Bootstrap {
+        let local_size: Option<usize> = var(local_size_var).and_then(|v| v.trim().parse().ok());
+        let source = if var(LAUNCHER_VAR).is_some() {
+            "collbench launcher"
+        } else {
+            src.name
+        };
+        let meeting = if size == 1 {
+            None
+        } else {
+            Some(meeting(size, local_size)?)
+        };
+        Ok(Bootstrap {
             rank,
             size,
             local_rank,
-            rendezvous: None,
-            hosts_rendezvous: false,
-            job_token: 0,
+            meeting,
             source,
-        };
-        if size > 1 {
-            let addr = master_addr()?;
-            b.rendezvous = Some(addr);
-            b.hosts_rendezvous = rank == 0 && var(LAUNCHER_VAR).is_none();
-            b.job_token = match var(TOKEN_VAR) {
-                Some(t) => u128::from_str_radix(&t, 16)
-                    .map_err(|_| format!("{TOKEN_VAR}='{t}' is not a hexadecimal token"))?,
-                // Without a token, tell jobs apart by rendezvous and size.
-                None => fnv1a(format!("{addr}/{size}").as_bytes()),
-            };
+        })
+    }
+
+    /// The address this rank's listeners bind: the one peers can reach.
+    pub fn local_ip(&self) -> IpAddr {
+        if let Some(ip) = interface_ip_from_env() {
+            return ip;
         }
-        Ok(b)
+        match &self.meeting {
+            Some(Meeting::Address { addr, .. }) => local_ip_towards(*addr),
+            Some(Meeting::Pmi { .. }) => {
+                first_interface_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]))
+            }
+            Some(Meeting::Local { .. }) | None => IpAddr::from([127, 0, 0, 1]),
+        }
+    }
+}
+
+/// How this job meets (see the module docs).
+fn meeting(size: usize, local_size: Option<usize>) -> Result<Meeting, String> {
+    // torchrun's agent serves its own store on MASTER_PORT: its ranks meet
+    // on their host when they can, else one port above (or COLL_MASTER_PORT).
+    let agent_store =
+        var("TORCHELASTIC_USE_AGENT_STORE").is_some_and(|v| v.eq_ignore_ascii_case("true"));
+    let all_local = local_size == Some(size);
+    if var("MASTER_ADDR").is_some() || var("MASTER_PORT").is_some() {
+        if agent_store && all_local && var("COLL_MASTER_PORT").is_none() {
+            return Ok(local_meeting(size));
+        }
+        let mut addr = master_addr()?;
+        if let Some(p) = var("COLL_MASTER_PORT") {
+            addr.set_port(
+                p.trim()
+                    .parse()
+                    .map_err(|_| format!("COLL_MASTER_PORT='{p}' is not a port number"))?,
+            );
+        } else if agent_store {
+            addr.set_port(addr.port().wrapping_add(1));
+        }
+        let token = match var(TOKEN_VAR) {
+            Some(t) => u128::from_str_radix(&t, 16)
+                .map_err(|_| format!("{TOKEN_VAR}='{t}' is not a hexadecimal token"))?,
+            // Without a token, tell jobs apart by rendezvous and size.
+            None => fnv1a(format!("{addr}/{size}").as_bytes()),
+        };
+        return Ok(Meeting::Address {
+            addr,
+            hosted_by_launcher: var(LAUNCHER_VAR).is_some(),
+            token,
+        });
+    }
+    if let Some(fd) = var("PMI_FD") {
+        let fd = fd
+            .trim()
+            .parse()
+            .map_err(|_| format!("PMI_FD='{fd}' is not a file descriptor"))?;
+        return Ok(Meeting::Pmi { fd });
+    }
+    if local_size == Some(size) {
+        let job = var("PMIX_NAMESPACE")
+            .or_else(|| {
+                Some(format!(
+                    "{}.{}",
+                    var("SLURM_JOB_ID")?,
+                    var("SLURM_STEP_ID")?
+                ))
+            })
+            .unwrap_or_else(|| {
+                format!(
+                    "ppid{}",
+                    rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())
+                )
+            });
+        return Ok(Meeting::Local {
+            key: format!("{job}-{size}"),
+        });
+    }
+    Err(
+        "MASTER_ADDR and MASTER_PORT are not set, and the ranks span several hosts with no \
+         launcher channel this library speaks (MPICH's PMI): set MASTER_ADDR to an address of \
+         rank 0's host and MASTER_PORT to a free port there, as torchrun does"
+            .into(),
+    )
+}
+
+/// Every rank on this host: meet on a socket named after the job.
+fn local_meeting(size: usize) -> Meeting {
+    let job = var("PMIX_NAMESPACE")
+        .or_else(|| {
+            Some(format!(
+                "{}.{}",
+                var("SLURM_JOB_ID")?,
+                var("SLURM_STEP_ID")?
+            ))
+        })
+        .unwrap_or_else(|| {
+            format!(
+                "ppid{}",
+                rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())
+            )
+        });
+    Meeting::Local {
+        key: format!("{job}-{size}"),
     }
 }
 
@@ -124,11 +273,7 @@ fn number(name: &str) -> Result<usize, String> {
 /// `MASTER_ADDR:MASTER_PORT`, resolved.
 fn master_addr() -> Result<SocketAddr, String> {
     let missing = |name: &str| {
-        format!(
-            "{name} is not set: a job of several ranks needs MASTER_ADDR and MASTER_PORT, \
-             an address of rank 0's host and a free port there (as torchrun sets them), \
-             or use `collbench -n N`, which sets them itself"
-        )
+        format!("{name} is not set: set both MASTER_ADDR and MASTER_PORT (rank 0's host and a free port there)")
     };
     let host = var("MASTER_ADDR").ok_or_else(|| missing("MASTER_ADDR"))?;
     let port = var("MASTER_PORT").ok_or_else(|| missing("MASTER_PORT"))?;
@@ -143,6 +288,70 @@ fn master_addr() -> Result<SocketAddr, String> {
     addrs
         .next()
         .ok_or_else(|| format!("MASTER_ADDR '{host}' resolves to no address"))
+}
+
+/// The local address the kernel would use to reach `dest`: the address peers
+/// on that network can reach us at (no packet is sent).
+fn local_ip_towards(dest: SocketAddr) -> IpAddr {
+    let probe = || -> std::io::Result<IpAddr> {
+        let unspecified: SocketAddr = if dest.is_ipv4() {
+            "0.0.0.0:0"
+        } else {
+            "[::]:0"
+        }
+        .parse()
+        .unwrap();
+        let s = std::net::UdpSocket::bind(unspecified)?;
+        s.connect(dest)?;
+        Ok(s.local_addr()?.ip())
+    };
+    probe().unwrap_or(dest.ip())
+}
+
+/// `COLL_SOCKET_IFNAME`: the interface whose address to listen on (as
+/// NCCL_SOCKET_IFNAME).
+fn interface_ip_from_env() -> Option<IpAddr> {
+    let name = var("COLL_SOCKET_IFNAME")?;
+    interfaces()
+        .into_iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, ip)| ip)
+}
+
+/// The first IPv4 address of an interface that is up and not loopback.
+fn first_interface_ip() -> Option<IpAddr> {
+    interfaces()
+        .into_iter()
+        .map(|(_, ip)| ip)
+        .find(|ip| !ip.is_loopback())
+}
+
+/// `(name, IPv4 address)` of every interface that is up.
+fn interfaces() -> Vec<(String, IpAddr)> {
+    let mut out = Vec::new();
+    let mut list: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills `list` with a linked list we free below; we
+    // only read entries while it is alive.
+    unsafe {
+        if libc::getifaddrs(&mut list) != 0 {
+            return out;
+        }
+        let mut at = list;
+        while let Some(ifa) = at.as_ref() {
+            let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+            if up && !ifa.ifa_addr.is_null() && (*ifa.ifa_addr).sa_family == libc::AF_INET as u16 {
+                let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                let ip = IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes());
+                let name = std::ffi::CStr::from_ptr(ifa.ifa_name)
+                    .to_string_lossy()
+                    .into_owned();
+                out.push((name, ip));
+            }
+            at = ifa.ifa_next;
+        }
+        libc::freeifaddrs(list);
+    }
+    out
 }
 
 /// 128-bit FNV-1a: a stable token from text.

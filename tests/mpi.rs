@@ -1,0 +1,145 @@
+//! Jobs launched by real mpirun: Open MPI's (`mpirun.openmpi`) and MPICH's
+//! (`mpiexec.hydra`), with no MASTER_ADDR: ranks meet through the launcher
+//! (PMI under MPICH) or on their host (Open MPI). The correctness matrix and
+//! checked collbench sweeps at 2, 3 and 4 ranks, oversubscribed on 2 cores.
+//!
+//! A launcher that is not installed skips its tests with a message, unless
+//! COLL_REQUIRE_MPI=1 (CI sets it), when that is a failure.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use integration_tests::run;
+
+/// Open MPI refuses root and oversubscription unless told.
+const OMPI_ENV: [(&str, &str); 3] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
+];
+
+fn launcher(name: &str) -> Option<&'static str> {
+    let found = Command::new(name)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if found {
+        return Some(if name == "mpirun.openmpi" {
+            "mpirun.openmpi"
+        } else {
+            "mpiexec.hydra"
+        });
+    }
+    let required = std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "{name} is not installed (apt-get install openmpi-bin mpich), and COLL_REQUIRE_MPI=1"
+    );
+    eprintln!("skipping: {name} is not installed (apt-get install openmpi-bin mpich)");
+    None
+}
+
+/// Runs `program args` under `launcher` with `n` ranks.
+fn mpirun(
+    launcher: &str,
+    n: usize,
+    program: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> integration_tests::Run {
+    let n = n.to_string();
+    let mut all = vec!["-n", n.as_str(), program];
+    all.extend_from_slice(args);
+    let mut env = env.to_vec();
+    env.extend_from_slice(&OMPI_ENV);
+    run(Path::new(launcher), &all, &env, Duration::from_secs(600))
+}
+
+fn matrix_under(launcher_name: &str) {
+    let Some(l) = launcher(launcher_name) else {
+        return;
+    };
+    let worker = env!("CARGO_BIN_EXE_coll-worker");
+    for (n, transport) in [(2, "shm"), (3, "tcp"), (4, "shm")] {
+        let r = mpirun(
+            l,
+            n,
+            worker,
+            &["matrix"],
+            &[("COLL_TRANSPORT", transport), ("COLL_CHUNK", "64K")],
+        );
+        assert!(
+            r.ok,
+            "{l} -n {n} matrix over {transport} failed:\n{}\n{}",
+            r.stdout, r.stderr
+        );
+        for rank in 0..n {
+            assert!(
+                r.stdout.contains(&format!("ok {rank}\n")),
+                "{l}: rank {rank} did not finish:\n{}",
+                r.stdout
+            );
+        }
+    }
+}
+
+fn sweeps_under(launcher_name: &str, source: &str) {
+    let Some(l) = launcher(launcher_name) else {
+        return;
+    };
+    let collbench = Path::new(env!("CARGO_BIN_EXE_coll-worker")).with_file_name("collbench");
+    if !collbench.exists() {
+        panic!(
+            "{} is missing: build the workspace first (cargo build --release)",
+            collbench.display()
+        );
+    }
+    let collbench = collbench.to_str().unwrap();
+    for n in [2, 3, 4] {
+        for coll in ["allreduce", "alltoall"] {
+            let r = mpirun(
+                l,
+                n,
+                collbench,
+                &[coll, "-b", "8", "-e", "4M", "-f", "16", "-c", "1"],
+                &[],
+            );
+            assert!(
+                r.ok,
+                "{l} -n {n} collbench {coll} failed:\n{}\n{}",
+                r.stdout, r.stderr
+            );
+            assert!(
+                r.stdout.contains(&format!("{n} ranks ({source})")),
+                "{}",
+                r.stdout
+            );
+            assert!(
+                r.stdout.contains("# Out of bounds values : 0 OK"),
+                "{}",
+                r.stdout
+            );
+        }
+    }
+}
+
+#[test]
+fn matrix_under_open_mpi() {
+    matrix_under("mpirun.openmpi");
+}
+
+#[test]
+fn matrix_under_mpich() {
+    matrix_under("mpiexec.hydra");
+}
+
+#[test]
+fn collbench_under_open_mpi() {
+    sweeps_under("mpirun.openmpi", "Open MPI");
+}
+
+#[test]
+fn collbench_under_mpich() {
+    sweeps_under("mpiexec.hydra", "MPICH (PMI)");
+}
