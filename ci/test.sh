@@ -25,6 +25,15 @@ fi
 step "build (release, once)"
 cargo build --release --workspace --all-targets
 
+# collbench with the mpi feature, against each MPI, for tests/mpi.rs.
+if command -v mpicc.openmpi >/dev/null && command -v mpicc.mpich >/dev/null; then
+  step "build with --features mpi against Open MPI and MPICH"
+  cargo build --release -p collbench --features mpi --target-dir target/mpi-openmpi
+  MPICC=mpicc.mpich cargo build --release -p collbench --features mpi --target-dir target/mpi-mpich
+  export COLL_MPI_COLLBENCH_OPENMPI=$PWD/target/mpi-openmpi/release/collbench
+  export COLL_MPI_COLLBENCH_MPICH=$PWD/target/mpi-mpich/release/collbench
+fi
+
 step "tests"
 cargo test --release --workspace
 

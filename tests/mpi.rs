@@ -3,8 +3,13 @@
 //! (PMI under MPICH) or on their host (Open MPI). The correctness matrix and
 //! checked collbench sweeps at 2, 3 and 4 ranks, oversubscribed on 2 cores.
 //!
-//! A launcher that is not installed skips its tests with a message, unless
-//! COLL_REQUIRE_MPI=1 (CI sets it), when that is a failure.
+//! Builds with the `mpi` feature (rendezvous by MPI broadcast) are tested
+//! when COLL_MPI_COLLBENCH_OPENMPI / COLL_MPI_COLLBENCH_MPICH name them
+//! (ci/test.sh builds both): under their own launcher, and refused with an
+//! explanation under the other MPI's launcher.
+//!
+//! A launcher or build that is missing skips its tests with a message,
+//! unless COLL_REQUIRE_MPI=1 (CI sets it), when that is a failure.
 
 use std::path::Path;
 use std::process::Command;
@@ -18,6 +23,10 @@ const OMPI_ENV: [(&str, &str); 3] = [
     ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
     ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
 ];
+
+fn required() -> bool {
+    std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1")
+}
 
 fn launcher(name: &str) -> Option<&'static str> {
     let found = Command::new(name)
@@ -142,4 +151,88 @@ fn collbench_under_open_mpi() {
 #[test]
 fn collbench_under_mpich() {
     sweeps_under("mpiexec.hydra", "MPICH (PMI)");
+}
+
+/// The collbench built with the `mpi` feature against one MPI, if named.
+fn feature_build(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(path) if Path::new(&path).exists() => Some(path),
+        _ => {
+            assert!(
+                !required(),
+                "{var} does not name a collbench built with --features mpi, and COLL_REQUIRE_MPI=1"
+            );
+            eprintln!("skipping: {var} does not name a collbench built with --features mpi");
+            None
+        }
+    }
+}
+
+fn mpi_feature(own: &str, build_var: &str, other: &str, source: &str, lib: &str) {
+    let (Some(own), Some(other), Some(bin)) =
+        (launcher(own), launcher(other), feature_build(build_var))
+    else {
+        return;
+    };
+    for n in [2, 3] {
+        let r = mpirun(
+            own,
+            n,
+            &bin,
+            &["allreduce", "-b", "8", "-e", "1M", "-f", "64", "-c", "1"],
+            &[],
+        );
+        assert!(
+            r.ok,
+            "{own} -n {n} {bin} failed:\n{}\n{}",
+            r.stdout, r.stderr
+        );
+        assert!(
+            r.stdout.contains(&format!("{n} ranks ({source})")),
+            "{}",
+            r.stdout
+        );
+        assert!(
+            r.stdout.contains("# Out of bounds values : 0 OK"),
+            "{}",
+            r.stdout
+        );
+    }
+    // Under the other MPI's launcher every process would be rank 0 of 1.
+    let r = mpirun(other, 2, &bin, &["allreduce", "--size", "8"], &[]);
+    assert!(!r.ok, "{bin} ran under {other}:\n{}", r.stdout);
+    assert!(
+        r.stderr
+            .contains(&format!("this binary is linked with {lib}")),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("built against another MPI than the launcher's"),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn mpi_feature_built_with_open_mpi() {
+    mpi_feature(
+        "mpirun.openmpi",
+        "COLL_MPI_COLLBENCH_OPENMPI",
+        "mpiexec.hydra",
+        "Open MPI",
+        "Open MPI",
+    );
+}
+
+#[test]
+fn mpi_feature_built_with_mpich() {
+    mpi_feature(
+        "mpiexec.hydra",
+        "COLL_MPI_COLLBENCH_MPICH",
+        "mpirun.openmpi",
+        "MPICH (PMI)",
+        "MPICH",
+    );
 }

@@ -50,6 +50,20 @@ pub(crate) fn meet(boot: &Bootstrap, me: PeerInfo, deadline: Instant) -> Result<
             pmi.finalize()?;
             run(server, addr, token, boot, me, deadline)
         }
+        #[cfg(feature = "mpi")]
+        Meeting::Mpi => {
+            let bind = || Server::bind(SocketAddr::new(boot.local_ip(), 0));
+            let server = if hosting { Some(bind()) } else { None };
+            let token = random_token();
+            let announcement = server.as_ref().map(|s| {
+                s.as_ref()
+                    .map(|s| format!("{}/{token:032x}", s.local_addr()))
+                    .map_err(Clone::clone)
+            });
+            let text = super::mpi::broadcast(boot, announcement)?;
+            let (addr, token) = parse_announcement(&text)?;
+            run(server.transpose()?, addr, token, boot, me, deadline)
+        }
         Meeting::Local { key } => {
             let name = format!("coll-rendezvous-{key}");
             if hosting {

@@ -17,19 +17,24 @@
 //!
 //! 1. `MASTER_ADDR:MASTER_PORT`: rank 0 listens there (torchrun's way;
 //!    under torchrun's agent, whose own store holds `MASTER_PORT`, ranks of
-//!    one host meet as in 3, ranks of several on `MASTER_PORT + 1` or
+//!    one host meet as in 4, ranks of several on `MASTER_PORT + 1` or
 //!    `COLL_MASTER_PORT`);
-//! 2. `PMI_FD` (MPICH's launcher): rank 0 listens on a port of its own and
+//! 2. built with the `mpi` feature, under mpirun: rank 0 broadcasts its
+//!    rendezvous address with MPI (and a binary started by another MPI's
+//!    launcher is refused instead of running as N jobs of one rank);
+//! 3. `PMI_FD` (MPICH's launcher): rank 0 listens on a port of its own and
 //!    publishes it in the launcher's key-value space: works across hosts;
-//! 3. every rank on this host (the launcher's local size equals the world
+//! 4. every rank on this host (the launcher's local size equals the world
 //!    size): rank 0 announces its rendezvous on an abstract Unix socket
 //!    named after the job (Open MPI's namespace, Slurm's job and step, or
 //!    the launcher's pid that all local ranks share as parent);
-//! 4. otherwise it is an error that says to set `MASTER_ADDR`/`MASTER_PORT`.
+//! 5. otherwise it is an error that says to set `MASTER_ADDR`/`MASTER_PORT`.
 
 pub mod host;
 pub mod launch;
 mod meet;
+#[cfg(feature = "mpi")]
+mod mpi;
 mod pmi;
 pub mod rendezvous;
 
@@ -60,6 +65,10 @@ pub enum Meeting {
     /// Every rank is on this host: rank 0 announces its rendezvous on the
     /// abstract Unix socket `coll-rendezvous-<key>`.
     Local { key: String },
+    /// Under mpirun, built with the `mpi` feature: rank 0's address is
+    /// broadcast with MPI.
+    #[cfg(feature = "mpi")]
+    Mpi,
 }
 
 /// This process's place in the job, before any connection exists.
@@ -161,12 +170,12 @@ impl Bootstrap {
         if let Some(ip) = interface_ip_from_env() {
             return ip;
         }
+        let loopback = IpAddr::from([127, 0, 0, 1]);
         match &self.meeting {
             Some(Meeting::Address { addr, .. }) => local_ip_towards(*addr),
-            Some(Meeting::Pmi { .. }) => {
-                first_interface_ip().unwrap_or(IpAddr::from([127, 0, 0, 1]))
-            }
-            Some(Meeting::Local { .. }) | None => IpAddr::from([127, 0, 0, 1]),
+            Some(Meeting::Local { .. }) | None => loopback,
+            // PMI or MPI reach other hosts: listen where they can reach us.
+            Some(_) => first_interface_ip().unwrap_or(loopback),
         }
     }
 }
@@ -203,6 +212,10 @@ fn meeting(size: usize, local_size: Option<usize>) -> Result<Meeting, String> {
             hosted_by_launcher: var(LAUNCHER_VAR).is_some(),
             token,
         });
+    }
+    #[cfg(feature = "mpi")]
+    if var("OMPI_COMM_WORLD_SIZE").is_some() || var("PMI_SIZE").is_some() {
+        return Ok(Meeting::Mpi);
     }
     if let Some(fd) = var("PMI_FD") {
         let fd = fd
