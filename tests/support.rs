@@ -98,3 +98,176 @@ pub fn free_port() -> u16 {
         .unwrap()
         .port()
 }
+
+/// Network namespaces standing in for hosts: `count` namespaces joined by a
+/// bridge-less star of veth pairs to the first, addresses 10.77.0.(i+1)/24,
+/// each with its own /etc/hosts (so names resolve) and, for launchers, an
+/// "ssh" agent that enters a namespace under its name as hostname. Removed
+/// again on drop.
+pub struct Hosts {
+    pub names: Vec<String>,
+    pub agent: std::path::PathBuf,
+}
+
+impl Hosts {
+    /// `None` (with the reason printed) where namespaces cannot be made:
+    /// not root, no iproute2, no CAP_NET_ADMIN. With COLL_REQUIRE_NETNS=1
+    /// that is a failure instead.
+    pub fn new(count: usize) -> Option<Self> {
+        // Unique per process and fixture: tests run in parallel.
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tag = format!("{}x{n}", std::process::id() % 100_000);
+        let names: Vec<String> = (0..count).map(|i| format!("coll{tag}h{i}")).collect();
+        let hosts = Hosts {
+            agent: std::env::temp_dir().join(format!("coll-nsagent-{tag}.sh")),
+            names,
+        };
+        match hosts.create() {
+            Ok(()) => Some(hosts),
+            Err(why) => {
+                drop(hosts);
+                let required = std::env::var("COLL_REQUIRE_NETNS").is_ok_and(|v| v == "1");
+                assert!(
+                    !required,
+                    "cannot create network namespaces ({why}), and COLL_REQUIRE_NETNS=1"
+                );
+                eprintln!("skipping: cannot create network namespaces: {why}");
+                None
+            }
+        }
+    }
+
+    /// The address of host `i`.
+    pub fn ip(&self, i: usize) -> String {
+        format!("10.77.0.{}", i + 1)
+    }
+
+    fn create(&self) -> Result<(), String> {
+        let ip = |args: &[&str]| -> Result<(), String> {
+            let out = Command::new("ip")
+                .args(args)
+                .output()
+                .map_err(|e| format!("ip: {e}"))?;
+            match out.status.success() {
+                true => Ok(()),
+                false => Err(format!(
+                    "ip {}: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )),
+            }
+        };
+        let hosts_file: String = std::iter::once("127.0.0.1 localhost\n".to_string())
+            .chain(
+                self.names
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| format!("{} {n}\n", self.ip(i))),
+            )
+            .collect();
+        for (i, name) in self.names.iter().enumerate() {
+            ip(&["netns", "add", name])?;
+            ip(&["-n", name, "link", "set", "lo", "up"])?;
+            let dir = format!("/etc/netns/{name}");
+            std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
+            std::fs::write(format!("{dir}/hosts"), &hosts_file)
+                .map_err(|e| format!("{dir}/hosts: {e}"))?;
+            if i == 0 {
+                continue;
+            }
+            // A veth pair from host 0 to host i, addressed as /32 routes.
+            let (a, b) = (
+                format!("{}a{i}", &name[..name.len().min(10)]),
+                format!("{}b{i}", &name[..name.len().min(10)]),
+            );
+            ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
+            ip(&["link", "set", &a, "netns", &self.names[0]])?;
+            ip(&["link", "set", &b, "netns", name])?;
+            ip(&[
+                "-n",
+                &self.names[0],
+                "addr",
+                "add",
+                &format!("{}/32", self.ip(0)),
+                "dev",
+                &a,
+            ])?;
+            ip(&[
+                "-n",
+                name,
+                "addr",
+                "add",
+                &format!("{}/32", self.ip(i)),
+                "dev",
+                &b,
+            ])?;
+            ip(&["-n", &self.names[0], "link", "set", &a, "up"])?;
+            ip(&["-n", name, "link", "set", &b, "up"])?;
+            ip(&["-n", &self.names[0], "route", "add", &self.ip(i), "dev", &a])?;
+            ip(&[
+                "-n",
+                name,
+                "route",
+                "add",
+                &format!("{}/24", "10.77.0.0"),
+                "dev",
+                &b,
+            ])?;
+        }
+        let agent = "#!/bin/sh\n# ssh stand-in: [ssh options] HOST COMMAND... runs COMMAND in namespace HOST, hostname HOST\n\
+                     while [ \"${1#-}\" != \"$1\" ]; do shift; done\nhost=$1; shift\n\
+                     exec ip netns exec \"$host\" unshare --uts sh -c \"hostname $host; $*\"\n";
+        std::fs::write(&self.agent, agent).map_err(|e| e.to_string())?;
+        Command::new("chmod")
+            .arg("+x")
+            .arg(&self.agent)
+            .status()
+            .map_err(|e| e.to_string())?;
+        Ok(())
+    }
+
+    /// `ip netns exec HOST unshare --uts sh -c 'hostname HOST; exec CMD'` as
+    /// program and arguments for [`run`].
+    pub fn exec_args(&self, host: usize, cmd: &str) -> Vec<String> {
+        let name = &self.names[host];
+        [
+            "netns",
+            "exec",
+            name,
+            "unshare",
+            "--uts",
+            "sh",
+            "-c",
+            &format!("hostname {name}; exec {cmd}"),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for name in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", name]).output();
+            let _ = std::fs::remove_dir_all(format!("/etc/netns/{name}"));
+        }
+        let _ = std::fs::remove_file(&self.agent);
+    }
+}
+
+/// Whether `name` runs (prints its version); if not, a message says the
+/// test is skipped, or with COLL_REQUIRE_MPI=1 that is a failure.
+pub fn has_command(name: &str) -> bool {
+    let found = Command::new(name)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !found {
+        let required = std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1");
+        assert!(!required, "{name} is not installed, and COLL_REQUIRE_MPI=1");
+        eprintln!("skipping: {name} is not installed");
+    }
+    found
+}

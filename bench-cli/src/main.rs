@@ -221,15 +221,8 @@ fn print_preamble(
         if args.check == 1 { "on" } else { "off" },
         human_bytes(smallest),
     )?;
-    let mut hosts: Vec<(&str, Vec<usize>)> = Vec::new();
-    for r in 0..comm.size() {
-        match hosts.iter_mut().find(|(h, _)| *h == comm.hostname(r)) {
-            Some((_, ranks)) => ranks.push(r),
-            None => hosts.push((comm.hostname(r), vec![r])),
-        }
-    }
-    for (h, ranks) in hosts {
-        writeln!(out, "#   host {h}: ranks {ranks:?}")?;
+    for ranks in comm.hosts() {
+        writeln!(out, "#   host {}: ranks {ranks:?}", comm.hostname(ranks[0]))?;
     }
     Ok(())
 }

@@ -177,6 +177,20 @@ impl Communicator {
         &self.peers[rank].hostname
     }
 
+    /// The ranks grouped by host (ranks that share memory), in rank order.
+    /// Hosts are told apart by hostname, boot id and network namespace, so
+    /// namespaces posing as hosts on one machine count as separate hosts.
+    pub fn hosts(&self) -> Vec<Vec<Rank>> {
+        let mut hosts: Vec<(&str, Vec<Rank>)> = Vec::new();
+        for p in &self.peers {
+            match hosts.iter_mut().find(|(id, _)| *id == p.host_id) {
+                Some((_, ranks)) => ranks.push(p.rank),
+                None => hosts.push((&p.host_id, vec![p.rank])),
+            }
+        }
+        hosts.into_iter().map(|(_, ranks)| ranks).collect()
+    }
+
     pub fn config(&self) -> &Config {
         &self.config
     }
