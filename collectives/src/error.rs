@@ -24,7 +24,7 @@ pub enum Error {
     },
 
     /// A peer called a different operation than this rank.
-    #[error("rank {rank}: {ours} failed: peer rank {peer} sent data for {theirs}: the ranks disagree on the operation, its count, datatype or reduction, or on the order of calls")]
+    #[error("rank {rank}: {ours} failed: peer rank {peer} is in {theirs}: the ranks disagree on the operation, its count, datatype or reduction, or on the order of calls")]
     Mismatch {
         rank: Rank,
         peer: Rank,

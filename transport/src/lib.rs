@@ -67,6 +67,8 @@ pub use poller::Poller;
 
 #[cfg(target_os = "linux")]
 pub mod shm;
+#[cfg(feature = "verbs")]
+pub mod verbs;
 
 /// Index of a process in the job, `0..world_size`.
 pub type Rank = usize;

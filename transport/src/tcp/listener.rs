@@ -183,12 +183,26 @@ impl Listener for TcpListener {
         me: Rank,
         deadline: Instant,
     ) -> Result<(Rank, Box<dyn Connection>)> {
+        let (peer, stream) = self.accept_greeted(token, me, deadline)?;
+        Ok((peer, Box::new(TcpConnection::new(stream, peer)?)))
+    }
+}
+
+impl TcpListener {
+    /// The next peer that greets us properly, as a configured stream; the
+    /// verbs transport uses it as its side channel too.
+    pub(crate) fn accept_greeted(
+        &mut self,
+        token: u128,
+        me: Rank,
+        deadline: Instant,
+    ) -> Result<(Rank, TcpStream)> {
         loop {
             self.drain_backlog()?;
             if let Some((peer, stream)) = self.take_greeted(token, me) {
                 configure(&stream, self.options)
                     .map_err(|e| Error::io(Some(peer), "configure socket", &e))?;
-                return Ok((peer, Box::new(TcpConnection::new(stream, peer)?)));
+                return Ok((peer, stream));
             }
             if Instant::now() >= deadline {
                 return Err(Error::io(

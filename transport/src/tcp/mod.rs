@@ -57,40 +57,50 @@ impl Transport for TcpTransport {
         hello: Hello,
         deadline: Instant,
     ) -> Result<Box<dyn Connection>> {
-        let addr = parse_address(address)?;
-        let peer = Some(hello.to);
-        let mut stream = connect_with_retry(addr, hello, deadline)?;
-        configure(&stream, self.options).map_err(|e| Error::io(peer, "configure socket", &e))?;
-        stream
-            .set_write_timeout(Some(remaining(deadline)))
-            .and_then(|_| stream.write_all(&wire::encode_hello(&hello)))
-            .map_err(|e| Error::io(peer, "send hello", &e))?;
-        let mut ack = [0u8; ACK_LEN];
-        stream
-            .set_read_timeout(Some(remaining(deadline)))
-            .and_then(|_| stream.read_exact(&mut ack))
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::UnexpectedEof => Error::Invalid(format!(
-                    "peer rank {} at {addr} refused our connection (another job's listener?)",
-                    hello.to
-                )),
-                _ => Error::io(peer, "wait for hello acknowledgement", &e),
-            })?;
-        match wire::decode_ack(&ack) {
-            Some(r) if r == hello.to => {}
-            other => {
-                return Err(Error::Invalid(format!(
-                    "expected peer rank {} at {addr}, found {other:?}",
-                    hello.to
-                )))
-            }
-        }
+        let stream = connect_greeted(address, hello, self.options, deadline)?;
         Ok(Box::new(TcpConnection::new(stream, hello.to)?))
     }
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
         // Sockets read and write any memory: nothing to pin.
         Ok(MemRegion::plain(addr, len))
+    }
+}
+
+/// Connects to the listener at `address` (an `ip:port` blob), says `hello`
+/// and waits for the acknowledgement: a stream to the right peer of the
+/// right job. The verbs transport uses it as its side channel too.
+pub(crate) fn connect_greeted(
+    address: &[u8],
+    hello: Hello,
+    options: TcpOptions,
+    deadline: Instant,
+) -> Result<TcpStream> {
+    let addr = parse_address(address)?;
+    let peer = Some(hello.to);
+    let mut stream = connect_with_retry(addr, hello, deadline)?;
+    configure(&stream, options).map_err(|e| Error::io(peer, "configure socket", &e))?;
+    stream
+        .set_write_timeout(Some(remaining(deadline)))
+        .and_then(|_| stream.write_all(&wire::encode_hello(&hello)))
+        .map_err(|e| Error::io(peer, "send hello", &e))?;
+    let mut ack = [0u8; ACK_LEN];
+    stream
+        .set_read_timeout(Some(remaining(deadline)))
+        .and_then(|_| stream.read_exact(&mut ack))
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::UnexpectedEof => Error::Invalid(format!(
+                "peer rank {} at {addr} refused our connection (another job's listener?)",
+                hello.to
+            )),
+            _ => Error::io(peer, "wait for hello acknowledgement", &e),
+        })?;
+    match wire::decode_ack(&ack) {
+        Some(r) if r == hello.to => Ok(stream),
+        other => Err(Error::Invalid(format!(
+            "expected peer rank {} at {addr}, found {other:?}",
+            hello.to
+        ))),
     }
 }
 

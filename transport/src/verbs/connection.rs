@@ -1,0 +1,737 @@
+//! One peer over an RC queue pair: the rendezvous (clear-to-send, then
+//! RDMA WRITE_WITH_IMM into the posted buffer) and its completions.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read, Write};
+use std::net::TcpStream;
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::event::epoll;
+use sideway::ibverbs::address::{AddressHandleAttribute, Gid};
+use sideway::ibverbs::completion::{
+    BasicCompletionQueue, CompletionChannel, CompletionQueue, GenericCompletionQueue,
+    WorkCompletionOperationType, WorkCompletionStatus,
+};
+use sideway::ibverbs::device_context::Mtu;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::queue_pair::{
+    BasicQueuePair, PostSendGuard, QueuePair, QueuePairAttribute, QueuePairState,
+    SetScatterGatherEntry, WorkRequestFlags,
+};
+use sideway::ibverbs::AccessFlags;
+
+use super::{device::Port, Registration};
+use crate::wire::{self, Frame, HEADER_LEN};
+use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
+
+/// Receive buffers kept posted (each takes a clear-to-send or the immediate
+/// of a write): more than the sends and receives either side keeps in flight.
+const RECV_SLOTS: usize = 256;
+const SLOT_BYTES: usize = 64;
+const SQ_DEPTH: u32 = 512;
+/// Registered slots the clear-to-send messages are sent from; more than the
+/// receives ever in flight (the executor's window is at most 64).
+const CTS_SLOTS: usize = 128;
+const CQ_DEPTH: u32 = 1024;
+/// Work request ids carry their kind in the top byte.
+const WR_DATA: u64 = 1 << 56;
+const WR_CTS: u64 = 2 << 56;
+const WR_RECV: u64 = 3 << 56;
+const KIND: u64 = 0xff << 56;
+
+/// A receiver's grant: where its posted buffer is and what it expects.
+#[derive(Clone, Copy, Debug)]
+struct Cts {
+    tag: Tag,
+    addr: u64,
+    len: u64,
+    rkey: u32,
+    seq: u32,
+}
+
+const CTS_LEN: usize = 40;
+
+impl Cts {
+    fn encode(&self) -> [u8; CTS_LEN] {
+        let mut b = [0u8; CTS_LEN];
+        b[0..16].copy_from_slice(&self.tag.to_le_bytes());
+        b[16..24].copy_from_slice(&self.addr.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b[32..36].copy_from_slice(&self.rkey.to_le_bytes());
+        b[36..40].copy_from_slice(&self.seq.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8]) -> Self {
+        Cts {
+            tag: u128::from_le_bytes(b[0..16].try_into().unwrap()),
+            addr: u64::from_le_bytes(b[16..24].try_into().unwrap()),
+            len: u64::from_le_bytes(b[24..32].try_into().unwrap()),
+            rkey: u32::from_le_bytes(b[32..36].try_into().unwrap()),
+            seq: u32::from_le_bytes(b[36..40].try_into().unwrap()),
+        }
+    }
+}
+
+/// A posted send: what to write where the next grant says.
+struct Outgoing {
+    addr: u64,
+    len: u64,
+    lkey: u32,
+    tag: Tag,
+}
+
+/// A posted receive whose grant is out.
+struct Incoming {
+    seq: u32,
+}
+
+/// One completion, copied out of the completion queue.
+#[derive(Clone, Copy, Default)]
+struct Completion {
+    wr_id: u64,
+    status: u32,
+    opcode: u32,
+    imm: u32,
+}
+
+pub struct VerbsConnection {
+    // Field order is drop order: the queue pair before its completion queue,
+    // the receive slots' registration before their memory.
+    qp: BasicQueuePair,
+    cq: Arc<BasicCompletionQueue>,
+    channel: Arc<CompletionChannel>,
+    slots_mr: Arc<MemoryRegion>,
+    slots: Vec<u64>,
+    cts_mr: Arc<MemoryRegion>,
+    cts_slots: Vec<u64>,
+    /// Clear-to-send messages posted, and completed (both in order).
+    cts_posted: u64,
+    cts_done: u64,
+    port: Arc<Port>,
+    peer: Rank,
+    /// The TCP side channel (aborts, liveness) and one epoll fd over it and
+    /// the completion channel, to sleep on both.
+    side: Option<TcpStream>,
+    side_buf: Vec<u8>,
+    epoll: Option<OwnedFd>,
+    sends: VecDeque<Outgoing>,
+    /// How many of `sends` have their write posted.
+    written: usize,
+    grants: VecDeque<Cts>,
+    recvs: VecDeque<Incoming>,
+    next_seq: u32,
+    posted: [u64; 2],
+    done: [u64; 2],
+    woke: bool,
+    peer_gone: bool,
+    failed: Option<Error>,
+}
+
+// SAFETY: the queue pair, completion queue and channel are only used from
+// the thread that owns the connection; raw addresses in the queues point
+// into memory the poster keeps valid (isend/irecv contract).
+unsafe impl Send for VerbsConnection {}
+
+impl VerbsConnection {
+    /// A queue pair in INIT with every receive slot posted.
+    pub(crate) fn new(port: Arc<Port>, pd: &Arc<ProtectionDomain>, peer: Rank) -> Result<Self> {
+        let verb = |what: &'static str| {
+            move |e: &dyn std::fmt::Display| {
+                Error::Invalid(format!("{what} (peer rank {peer}): {e}"))
+            }
+        };
+        let channel = CompletionChannel::new(&port.context)
+            .map_err(|e| verb("ibv_create_comp_channel")(&e))?;
+        channel
+            .set_nonblocking(true)
+            .map_err(|e| verb("ibv_create_comp_channel")(&e))?;
+        let cq = port
+            .context
+            .create_cq_builder()
+            .setup_cqe(CQ_DEPTH)
+            .setup_comp_channel(&channel, 0)
+            // The classic ibv_poll_cq: rxe's ibv_next_poll (extended CQs)
+            // kept reporting entries once the queue was drained.
+            .build()
+            .map_err(|e| verb("ibv_create_cq")(&e))?;
+        let mut qp = pd
+            .create_qp_builder()
+            .setup_send_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
+            .setup_recv_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
+            .setup_max_send_wr(SQ_DEPTH)
+            .setup_max_recv_wr(RECV_SLOTS as u32)
+            .setup_max_send_sge(1)
+            .setup_max_recv_sge(1)
+            // The classic ibv_post_send: rxe failed work requests posted
+            // through the extended (ibv_wr_*) API with LOC_QP_OP_ERR.
+            .build()
+            .map_err(|e| verb("ibv_create_qp")(&e))?;
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Init)
+            .setup_pkey_index(0)
+            .setup_port(port.port)
+            .setup_access_flags(
+                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+            );
+        qp.modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
+        let mut slots = vec![0u64; RECV_SLOTS * SLOT_BYTES / 8];
+        // SAFETY: `slots` lives as long as the connection and is dropped
+        // after its registration (field order).
+        let slots_mr = unsafe {
+            pd.reg_mr(
+                slots.as_mut_ptr() as usize,
+                RECV_SLOTS * SLOT_BYTES,
+                AccessFlags::LocalWrite,
+            )
+        }
+        .map_err(|e| verb("ibv_reg_mr of the receive slots")(&e))?;
+        let mut cts_slots = vec![0u64; CTS_SLOTS * SLOT_BYTES / 8];
+        // SAFETY: as for `slots`.
+        let cts_mr = unsafe {
+            pd.reg_mr(
+                cts_slots.as_mut_ptr() as usize,
+                CTS_SLOTS * SLOT_BYTES,
+                AccessFlags::LocalWrite,
+            )
+        }
+        .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
+        let mut conn = VerbsConnection {
+            qp,
+            cq,
+            channel,
+            slots_mr,
+            slots,
+            cts_mr,
+            cts_slots,
+            cts_posted: 0,
+            cts_done: 0,
+            port,
+            peer,
+            side: None,
+            side_buf: Vec::new(),
+            epoll: None,
+            sends: VecDeque::new(),
+            written: 0,
+            grants: VecDeque::new(),
+            recvs: VecDeque::new(),
+            next_seq: 0,
+            posted: [0; 2],
+            done: [0; 2],
+            woke: false,
+            peer_gone: false,
+            failed: None,
+        };
+        for slot in 0..RECV_SLOTS {
+            conn.post_slot(slot)?;
+        }
+        Ok(conn)
+    }
+
+    pub(crate) fn qp_number(&self) -> u32 {
+        self.qp.qp_number()
+    }
+
+    /// INIT → RTR → RTS towards the peer's queue pair.
+    pub(crate) fn connect(
+        &mut self,
+        peer_qpn: u32,
+        my_psn: u32,
+        peer_psn: u32,
+        peer_gid: Gid,
+        mtu: u32,
+    ) -> Result<()> {
+        let peer = self.peer;
+        let verb = |what: &'static str| {
+            move |e: &dyn std::fmt::Display| {
+                Error::Invalid(format!("{what} (peer rank {peer}): {e}"))
+            }
+        };
+        let mtu = match mtu {
+            256 => Mtu::Mtu256,
+            512 => Mtu::Mtu512,
+            1024 => Mtu::Mtu1024,
+            2048 => Mtu::Mtu2048,
+            _ => Mtu::Mtu4096,
+        };
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::ReadyToReceive)
+            .setup_path_mtu(mtu)
+            .setup_dest_qp_num(peer_qpn)
+            .setup_rq_psn(peer_psn)
+            .setup_max_dest_read_atomic(1)
+            .setup_min_rnr_timer(12);
+        let mut ah = AddressHandleAttribute::new();
+        ah.setup_dest_lid(0)
+            .setup_port(self.port.port)
+            .setup_service_level(0)
+            .setup_grh_src_gid_index(self.port.gid_index as u8)
+            .setup_grh_dest_gid(&peer_gid)
+            .setup_grh_hop_limit(64);
+        attr.setup_address_vector(&ah);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp to RTR")(&e))?;
+        let mut attr = QueuePairAttribute::new();
+        // timeout 14: 4.096 us x 2^14 = 67 ms per try; 7 tries, then the
+        // completion fails with RETRY_EXC_ERR: a dead peer shows in ~0.5 s.
+        attr.setup_state(QueuePairState::ReadyToSend)
+            .setup_sq_psn(my_psn)
+            .setup_timeout(14)
+            .setup_retry_cnt(7)
+            .setup_rnr_retry(7)
+            .setup_max_read_atomic(1);
+        self.qp
+            .modify(&attr)
+            .map_err(|e| verb("ibv_modify_qp to RTS")(&e))
+    }
+
+    /// Keeps the side channel for aborts and liveness; one epoll fd waits on
+    /// it and on the completion channel.
+    pub(crate) fn attach_side_channel(&mut self, side: TcpStream) -> Result<()> {
+        let io =
+            |e: std::io::Error| Error::io(Some(self.peer), "set up the wake-up descriptor", &e);
+        side.set_nonblocking(true).map_err(io)?;
+        let ep = epoll::create(epoll::CreateFlags::CLOEXEC).map_err(|e| io(e.into()))?;
+        for fd in [self.channel.as_raw_fd(), side.as_raw_fd()] {
+            // SAFETY: both descriptors belong to this connection and outlive the epoll fd's use.
+            let fd = unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) };
+            epoll::add(&ep, fd, epoll::EventData::new_u64(0), epoll::EventFlags::IN)
+                .map_err(|e| io(e.into()))?;
+        }
+        self.side = Some(side);
+        self.epoll = Some(ep);
+        Ok(())
+    }
+
+    fn slot_addr(&self, slot: usize) -> u64 {
+        self.slots.as_ptr() as u64 + (slot * SLOT_BYTES) as u64
+    }
+
+    fn post_slot(&mut self, slot: usize) -> Result<()> {
+        let (lkey, addr) = (self.slots_mr.lkey(), self.slot_addr(slot));
+        let mut guard = self.qp.start_post_recv();
+        let wr = guard.construct_wr(WR_RECV | slot as u64);
+        // SAFETY: the slot lies in the registered `slots`, which outlive the queue pair.
+        unsafe { wr.setup_sge(lkey, addr, SLOT_BYTES as u32) };
+        guard.post().map_err(|e| {
+            self.verb_error(
+                "ibv_post_recv",
+                &format!("{e} (queue pair in state {:?})", self.qp.state()),
+            )
+        })
+    }
+
+    fn verb_error(&self, verb: &str, e: &dyn std::fmt::Display) -> Error {
+        Error::Invalid(format!("{verb} to peer rank {} failed: {e}", self.peer))
+    }
+
+    fn post(&mut self, dir: Direction) -> Request {
+        self.posted[dir as usize] += 1;
+        Request {
+            dir,
+            seq: self.posted[dir as usize],
+        }
+    }
+
+    /// Sends a grant for a posted receive, from the next send slot.
+    fn send_cts(&mut self, cts: Cts) -> Result<()> {
+        if self.cts_posted - self.cts_done == CTS_SLOTS as u64 {
+            return Err(
+                self.verb_error("clear-to-send", &"more receives in flight than send slots")
+            );
+        }
+        let slot = (self.cts_posted % CTS_SLOTS as u64) as usize;
+        let words = &mut self.cts_slots[slot * SLOT_BYTES / 8..][..CTS_LEN / 8];
+        words.copy_from_slice(&bytemuck_words(&cts.encode()));
+        let (lkey, addr) = (self.cts_mr.lkey(), words.as_ptr() as u64);
+        let mut guard = self.qp.start_post_send();
+        let wr = guard
+            .construct_wr(WR_CTS, WorkRequestFlags::Signaled)
+            .setup_send();
+        // SAFETY: the slot is registered and not reused until this send completes.
+        unsafe { wr.setup_sge(lkey, addr, CTS_LEN as u32) };
+        guard
+            .post()
+            .map_err(|e| self.verb_error("ibv_post_send (clear-to-send)", &e))?;
+        self.cts_posted += 1;
+        Ok(())
+    }
+
+    /// Writes every send that has its grant, checking that both ends agree.
+    fn post_writes(&mut self) -> Result<bool> {
+        let mut moved = false;
+        while self.written < self.sends.len() && !self.grants.is_empty() {
+            let grant = self.grants.pop_front().expect("checked");
+            let out = &self.sends[self.written];
+            if grant.tag != out.tag || grant.len != out.len {
+                // The receiver's grant is the message it expects.
+                return Err(Error::Mismatch {
+                    peer: self.peer,
+                    expected_tag: out.tag,
+                    expected_len: out.len as usize,
+                    got_tag: grant.tag,
+                    got_len: grant.len as usize,
+                });
+            }
+            let (addr, len, lkey) = (out.addr, out.len, out.lkey);
+            let mut guard = self.qp.start_post_send();
+            let wr = guard
+                .construct_wr(WR_DATA, WorkRequestFlags::Signaled)
+                .setup_write_imm(grant.rkey, grant.addr, grant.seq);
+            // SAFETY: addr..addr+len is registered (lkey) and kept valid by the isend contract.
+            unsafe {
+                if len == 0 {
+                    wr.setup_sge_list(&[]);
+                } else {
+                    wr.setup_sge(lkey, addr, len as u32);
+                }
+            }
+            guard
+                .post()
+                .map_err(|e| self.verb_error("ibv_post_send (RDMA WRITE_WITH_IMM)", &e))?;
+            self.written += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Takes up to a batch of completions and applies them.
+    fn poll_cq(&mut self) -> Result<bool> {
+        let mut batch = [Completion::default(); 32];
+        let mut n = 0;
+        if let Ok(mut poller) = self.cq.start_poll() {
+            for wc in poller.by_ref() {
+                let ok = wc.status() == WorkCompletionStatus::Success as u32;
+                batch[n] = Completion {
+                    wr_id: wc.wr_id(),
+                    status: wc.status(),
+                    opcode: if ok { wc.opcode() } else { 0 },
+                    imm: if ok
+                        && wc.opcode() == WorkCompletionOperationType::ReceiveWithImmediate as u32
+                    {
+                        wc.imm_data()
+                    } else {
+                        0
+                    },
+                };
+                n += 1;
+                if n == batch.len() {
+                    break;
+                }
+            }
+        }
+        // An error completion explains the others (a queue pair in error
+        // flushes everything after it): report it before applying any.
+        if let Some(bad) = batch[..n]
+            .iter()
+            .find(|c| c.status != WorkCompletionStatus::Success as u32)
+        {
+            return Err(self.failed_completion(*bad));
+        }
+        for c in &batch[..n] {
+            self.complete(*c)?;
+        }
+        Ok(n > 0)
+    }
+
+    fn complete(&mut self, c: Completion) -> Result<()> {
+        if c.status != WorkCompletionStatus::Success as u32 {
+            return Err(self.failed_completion(c));
+        }
+        match c.wr_id & KIND {
+            // Writes complete in order on an RC queue pair.
+            WR_DATA => {
+                self.sends.pop_front();
+                self.written -= 1;
+                self.done[Direction::Send as usize] += 1;
+            }
+            WR_CTS => self.cts_done += 1,
+            _ => {
+                let slot = (c.wr_id & 0xffff) as usize;
+                if c.opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
+                    match self.recvs.front() {
+                        Some(inc) if inc.seq == c.imm => {}
+                        _ => {
+                            return Err(self.verb_error(
+                                "RDMA WRITE_WITH_IMM",
+                                &format!("data for receive {} arrived out of order", c.imm),
+                            ))
+                        }
+                    }
+                    self.recvs.pop_front();
+                    self.done[Direction::Recv as usize] += 1;
+                } else {
+                    let at = slot * SLOT_BYTES;
+                    let bytes: &[u8] = &bytemuck_bytes(&self.slots)[at..at + CTS_LEN];
+                    self.grants.push_back(Cts::decode(bytes));
+                }
+                self.post_slot(slot)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// An error completion, named by verb and status; the peer's own abort
+    /// reason, when the side channel carries one, explains it better.
+    fn failed_completion(&mut self, c: Completion) -> Error {
+        if let Err(e) = self.drain_side() {
+            return e;
+        }
+        let verb = match c.wr_id & KIND {
+            WR_DATA => "RDMA WRITE_WITH_IMM",
+            WR_CTS => "SEND (clear-to-send)",
+            _ => "RECV",
+        };
+        let status = WorkCompletionStatus::from(c.status);
+        if self.peer_gone {
+            return Error::Closed { peer: self.peer };
+        }
+        Error::Io {
+            peer: Some(self.peer),
+            what: "completion",
+            kind: ErrorKind::Other,
+            message: format!("{verb} failed with status {status:?} ({})", c.status),
+        }
+    }
+
+    /// Acknowledges completion events after a sleep.
+    fn drain_events(&mut self) {
+        let mut n = 0;
+        loop {
+            let mut cq = std::ptr::null_mut();
+            let mut ctx = std::ptr::null_mut();
+            // SAFETY: the channel is ours and non-blocking: this returns -1 when empty.
+            let r = unsafe {
+                rdma_mummy_sys::ibv_get_cq_event(
+                    self.channel.comp_channel().as_ptr(),
+                    &mut cq,
+                    &mut ctx,
+                )
+            };
+            if r != 0 {
+                break;
+            }
+            n += 1;
+        }
+        if n > 0 {
+            // SAFETY: acknowledges the events just taken from our own CQ.
+            unsafe { rdma_mummy_sys::ibv_ack_cq_events(self.cq.cq().as_ptr(), n) };
+        }
+    }
+
+    /// Reads the side channel: an abort frame is the peer's reason, EOF
+    /// means its process is gone.
+    fn drain_side(&mut self) -> Result<()> {
+        let Some(side) = self.side.as_mut() else {
+            return Ok(());
+        };
+        let mut buf = [0u8; 512];
+        loop {
+            match side.read(&mut buf) {
+                Ok(0) => {
+                    self.peer_gone = true;
+                    break;
+                }
+                Ok(n) => self.side_buf.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => {
+                    self.peer_gone = true;
+                    break;
+                }
+            }
+        }
+        if self.side_buf.len() >= HEADER_LEN {
+            if let Some(Frame::Abort { reason_len }) =
+                wire::decode_header(self.side_buf[..HEADER_LEN].try_into().unwrap())
+            {
+                let end = (HEADER_LEN + reason_len).min(self.side_buf.len());
+                let reason = String::from_utf8_lossy(&self.side_buf[HEADER_LEN..end]).into_owned();
+                return Err(Error::PeerAborted {
+                    peer: self.peer,
+                    reason,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn enter_error_state(&mut self) {
+        let mut attr = QueuePairAttribute::new();
+        attr.setup_state(QueuePairState::Error);
+        if let Err(e) = self.qp.modify(&attr) {
+            tracing::debug!(peer = self.peer, "ibv_modify_qp to ERR: {e}");
+        }
+    }
+}
+
+fn bytemuck_words(bytes: &[u8; CTS_LEN]) -> [u64; CTS_LEN / 8] {
+    std::array::from_fn(|i| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap()))
+}
+
+fn bytemuck_bytes(words: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding; a byte view of it is always valid.
+    unsafe { std::slice::from_raw_parts(words.as_ptr().cast(), words.len() * 8) }
+}
+
+/// The registration of `region` with this transport.
+fn registration(region: &MemRegion, len: usize) -> Result<Option<&Registration>> {
+    match region.key::<Registration>() {
+        Some(r) => Ok(Some(r)),
+        None if len == 0 => Ok(None),
+        None => Err(Error::Invalid(
+            "a buffer was not registered with the verbs transport".into(),
+        )),
+    }
+}
+
+impl Connection for VerbsConnection {
+    fn peer(&self) -> Rank {
+        self.peer
+    }
+
+    unsafe fn isend(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request> {
+        self.failed.clone().map_or(Ok(()), Err)?;
+        let addr = region.slice_ptr(offset, len)? as u64;
+        let lkey = registration(region, len)?.map_or(0, |r| r.0.lkey());
+        self.sends.push_back(Outgoing {
+            addr,
+            len: len as u64,
+            lkey,
+            tag,
+        });
+        Ok(self.post(Direction::Send))
+    }
+
+    unsafe fn irecv(
+        &mut self,
+        region: &MemRegion,
+        offset: usize,
+        len: usize,
+        tag: Tag,
+    ) -> Result<Request> {
+        self.failed.clone().map_or(Ok(()), Err)?;
+        let addr = region.slice_ptr(offset, len)? as u64;
+        let rkey = registration(region, len)?.map_or(0, |r| r.0.rkey());
+        let seq = self.next_seq;
+        self.next_seq = self.next_seq.wrapping_add(1);
+        if let Err(e) = self.send_cts(Cts {
+            tag,
+            addr,
+            len: len as u64,
+            rkey,
+            seq,
+        }) {
+            self.failed = Some(e.clone());
+            return Err(e);
+        }
+        self.recvs.push_back(Incoming { seq });
+        Ok(self.post(Direction::Recv))
+    }
+
+    fn progress(&mut self) -> Result<bool> {
+        self.failed.clone().map_or(Ok(()), Err)?;
+        let result = (|| -> Result<bool> {
+            if self.woke {
+                self.woke = false;
+                self.drain_events();
+                self.drain_side()?;
+            }
+            let moved = self.poll_cq()? | self.post_writes()?;
+            if self.peer_gone && !moved && self.pending() > 0 {
+                return Err(Error::Closed { peer: self.peer });
+            }
+            Ok(moved)
+        })();
+        if let Err(e) = &result {
+            self.failed = Some(e.clone());
+        }
+        result
+    }
+
+    fn is_done(&self, request: Request) -> bool {
+        self.done[request.dir as usize] >= request.seq
+    }
+
+    fn pending(&self) -> usize {
+        self.sends.len() + self.recvs.len()
+    }
+
+    fn wake_source(&mut self) -> Wake<'_> {
+        if self.pending() == 0 || self.failed.is_some() {
+            return if self.failed.is_some() {
+                Wake::Now
+            } else {
+                Wake::Idle
+            };
+        }
+        // Arm, then look once more: a completion between the last poll and
+        // the arming would raise no event.
+        // SAFETY: our own CQ.
+        unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
+        match self.poll_cq() {
+            Ok(false) if self.written == self.sends.len() || self.grants.is_empty() => {}
+            Ok(_) => return Wake::Now,
+            Err(e) => {
+                self.failed = Some(e);
+                return Wake::Now;
+            }
+        }
+        self.woke = true;
+        match &self.epoll {
+            Some(ep) => Wake::On(
+                ep.as_fd(),
+                Interest {
+                    readable: true,
+                    writable: false,
+                },
+            ),
+            None => Wake::Now,
+        }
+    }
+
+    fn abort(&mut self, reason: &str) {
+        let peer_listening = matches!(
+            self.failed,
+            None | Some(Error::Mismatch { .. } | Error::Invalid(_))
+        );
+        if let (true, Some(side)) = (peer_listening, self.side.as_mut()) {
+            let reason = &reason.as_bytes()[..reason.len().min(wire::MAX_REASON_LEN)];
+            let mut msg = wire::encode_header(Frame::Abort {
+                reason_len: reason.len(),
+            })
+            .to_vec();
+            msg.extend_from_slice(reason);
+            let sent = side.set_nonblocking(false).is_ok()
+                && side.set_write_timeout(Some(Duration::from_secs(1))).is_ok()
+                && side.write_all(&msg).is_ok();
+            if !sent {
+                tracing::debug!(peer = self.peer, "could not tell the peer we abort");
+            }
+        }
+        // In the error state the device no longer reads or writes any
+        // posted buffer: the contract's promise once abort returns.
+        self.enter_error_state();
+        self.sends.clear();
+        self.recvs.clear();
+        self.grants.clear();
+        self.written = 0;
+        if self.failed.is_none() {
+            self.failed = Some(Error::Aborted {
+                peer: self.peer,
+                reason: reason.to_string(),
+            });
+        }
+    }
+}

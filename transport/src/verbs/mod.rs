@@ -1,0 +1,234 @@
+//! RDMA verbs transport over RoCE v2, through sideway (which loads
+//! libibverbs at run time). Why sideway: it registers caller buffers
+//! (`ibv_reg_mr` on any address), posts RDMA WRITE, WRITE_WITH_IMM and
+//! READ, and reads the GID table with GID types; the `ibverbs` crate (0.9)
+//! can neither post RDMA writes nor register caller buffers, and fixes the
+//! port at 1. Where sideway has no safe API (completion events), its sys
+//! crate is called directly.
+//!
+//! One RC queue pair per peer, set up over a TCP side channel (the TCP
+//! transport's greeting: job token, refusal of strangers) that stays open
+//! for aborts and as a death detector. Data moves by a receiver-driven
+//! rendezvous, as NCCL's IB transport does: `irecv` sends the sender an
+//! inline "clear to send" (address, rkey, length, tag, sequence), the sender
+//! checks tag and length against its send and RDMA-WRITEs the bytes straight
+//! into the posted buffer with an immediate that completes the receive. No
+//! copy on either side; the clear-to-send messages are the credits, so a
+//! sender can never write more than its receiver has granted.
+
+mod connection;
+mod device;
+
+use std::io::{Read, Write};
+use std::net::{IpAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use sideway::ibverbs::address::Gid;
+use sideway::ibverbs::memory_region::MemoryRegion;
+use sideway::ibverbs::protection_domain::ProtectionDomain;
+use sideway::ibverbs::AccessFlags;
+
+pub use connection::VerbsConnection;
+
+use crate::tcp::{self, TcpListener, TcpOptions};
+use crate::{Connection, Error, Hello, Listener, MemRegion, Rank, Result, Transport};
+
+/// A registration's key: the memory region, for its lkey and rkey.
+#[derive(Clone)]
+pub(crate) struct Registration(pub Arc<MemoryRegion>);
+
+/// The verbs transport on one device port.
+pub struct VerbsTransport {
+    port: Arc<device::Port>,
+    pd: Arc<ProtectionDomain>,
+    bind_ip: IpAddr,
+}
+
+impl VerbsTransport {
+    /// Opens the device whose RoCE v2 GID matches `bind_ip` (see `device`);
+    /// an error that says how to choose another transport where there is none.
+    pub fn open(bind_ip: IpAddr) -> Result<Self> {
+        let port = device::open(bind_ip)?;
+        let pd = port
+            .context
+            .alloc_pd()
+            .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
+        tracing::info!(
+            device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
+            mtu = device::mtu_bytes(port.mtu), "verbs transport ready"
+        );
+        Ok(VerbsTransport {
+            port: Arc::new(port),
+            pd,
+            bind_ip,
+        })
+    }
+
+    /// `device:port`, for logs.
+    pub fn device(&self) -> String {
+        format!("{}:{}", self.port.device, self.port.port)
+    }
+}
+
+impl Transport for VerbsTransport {
+    fn name(&self) -> &'static str {
+        "verbs"
+    }
+
+    fn listen(&self) -> Result<Box<dyn Listener>> {
+        let side = TcpListener::bind(self.bind_ip, TcpOptions::default())?;
+        Ok(Box::new(VerbsListener {
+            side,
+            port: self.port.clone(),
+            pd: self.pd.clone(),
+        }))
+    }
+
+    fn connect(
+        &self,
+        address: &[u8],
+        hello: Hello,
+        deadline: Instant,
+    ) -> Result<Box<dyn Connection>> {
+        let side = tcp::connect_greeted(address, hello, TcpOptions::default(), deadline)?;
+        establish(side, hello.to, &self.port, &self.pd, deadline)
+    }
+
+    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
+        if len == 0 {
+            return Ok(MemRegion::plain(addr, len));
+        }
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // SAFETY: registration pins the pages; the isend/irecv contract keeps
+        // them valid while a request uses them.
+        let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
+            let memlock = rustix::process::getrlimit(rustix::process::Resource::Memlock);
+            Error::Invalid(format!(
+                "ibv_reg_mr of {len} bytes failed: {e} (the locked-memory limit is {:?} bytes; raise it with `ulimit -l unlimited`)",
+                memlock.current
+            ))
+        })?;
+        Ok(MemRegion::new(addr, len, Box::new(Registration(mr))))
+    }
+}
+
+/// Listens for peers on the TCP side channel.
+pub struct VerbsListener {
+    side: TcpListener,
+    port: Arc<device::Port>,
+    pd: Arc<ProtectionDomain>,
+}
+
+impl Listener for VerbsListener {
+    fn address(&self) -> Vec<u8> {
+        self.side.address()
+    }
+
+    fn accept(
+        &mut self,
+        token: u128,
+        me: Rank,
+        deadline: Instant,
+    ) -> Result<(Rank, Box<dyn Connection>)> {
+        let (peer, side) = self.side.accept_greeted(token, me, deadline)?;
+        Ok((peer, establish(side, peer, &self.port, &self.pd, deadline)?))
+    }
+}
+
+/// What each side tells the other to connect its queue pair.
+struct QpInfo {
+    qpn: u32,
+    psn: u32,
+    gid: [u8; 16],
+    mtu: u32,
+}
+
+const QP_INFO_LEN: usize = 28;
+
+impl QpInfo {
+    fn encode(&self) -> [u8; QP_INFO_LEN] {
+        let mut b = [0u8; QP_INFO_LEN];
+        b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
+        b[4..8].copy_from_slice(&self.psn.to_le_bytes());
+        b[8..24].copy_from_slice(&self.gid);
+        b[24..28].copy_from_slice(&self.mtu.to_le_bytes());
+        b
+    }
+
+    fn decode(b: &[u8; QP_INFO_LEN]) -> Self {
+        let word = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        QpInfo {
+            qpn: word(0),
+            psn: word(4),
+            gid: b[8..24].try_into().unwrap(),
+            mtu: word(24),
+        }
+    }
+}
+
+/// Creates the queue pair, swaps `QpInfo` over the side channel, brings
+/// both ends to RTS, and waits until the peer's end is ready too.
+fn establish(
+    mut side: TcpStream,
+    peer: Rank,
+    port: &Arc<device::Port>,
+    pd: &Arc<ProtectionDomain>,
+    deadline: Instant,
+) -> Result<Box<dyn Connection>> {
+    let io = |what: &'static str| move |e: std::io::Error| Error::io(Some(peer), what, &e);
+    let left = || {
+        deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
+    // The listener greets without blocking; the handshake below blocks
+    // (with timeouts).
+    side.set_nonblocking(false)
+        .map_err(io("exchange queue pair numbers"))?;
+    let mut conn = VerbsConnection::new(port.clone(), pd, peer)?;
+    let mine = QpInfo {
+        qpn: conn.qp_number(),
+        psn: random_psn(),
+        gid: port.gid.raw,
+        mtu: device::mtu_bytes(port.mtu),
+    };
+    side.set_write_timeout(Some(left()))
+        .map_err(io("exchange queue pair numbers"))?;
+    side.write_all(&mine.encode())
+        .map_err(io("exchange queue pair numbers"))?;
+    let mut theirs = [0u8; QP_INFO_LEN];
+    side.set_read_timeout(Some(left()))
+        .map_err(io("exchange queue pair numbers"))?;
+    side.read_exact(&mut theirs)
+        .map_err(io("exchange queue pair numbers"))?;
+    let theirs = QpInfo::decode(&theirs);
+    let mtu = mine.mtu.min(theirs.mtu);
+    conn.connect(
+        theirs.qpn,
+        mine.psn,
+        theirs.psn,
+        Gid { raw: theirs.gid },
+        mtu,
+    )?;
+    // Our end can receive; once theirs can too, writes are safe.
+    side.write_all(b"R").map_err(io("signal readiness"))?;
+    let mut ready = [0u8; 1];
+    side.read_exact(&mut ready)
+        .map_err(io("wait for the peer's readiness"))?;
+    tracing::debug!(
+        peer,
+        qpn = mine.qpn,
+        peer_qpn = theirs.qpn,
+        mtu,
+        "queue pair connected"
+    );
+    conn.attach_side_channel(side)?;
+    Ok(Box::new(conn))
+}
+
+fn random_psn() -> u32 {
+    let mut b = [0u8; 4];
+    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
+    u32::from_le_bytes(b) & 0xff_ffff
+}
