@@ -103,7 +103,7 @@ fn messages_arrive_whole_and_in_order(make: fn() -> Box<dyn Transport>) {
 fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
     let t = make();
     let (mut c0, mut c1) = pair(&*t);
-    let buf = vec![0u8; 64];
+    let buf = [0u8; 64];
     let r = t.register(buf.as_ptr(), 64).unwrap();
     // SAFETY: buf outlives the requests.
     unsafe {
@@ -139,7 +139,7 @@ fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
 fn an_abort_reaches_the_peer_with_its_reason(make: fn() -> Box<dyn Transport>) {
     let t = make();
     let (mut c0, mut c1) = pair(&*t);
-    let buf = vec![0u8; 16];
+    let buf = [0u8; 16];
     let r = t.register(buf.as_ptr(), 16).unwrap();
     c1.abort("rank 1 gave up: testing");
     // SAFETY: buf outlives the request.
