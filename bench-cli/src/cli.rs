@@ -97,8 +97,10 @@ pub struct BenchArgs {
     #[arg(short = 'o', long, default_value = "sum")]
     pub op: ReduceOp,
 
-    /// Transport between ranks: auto (shared memory within a host, TCP
-    /// between hosts), tcp, or shm [default: auto, or COLL_TRANSPORT]
+    /// Transport between ranks: auto (shared memory within a host; RDMA
+    /// verbs, else TCP, between hosts), tcp, shm, or verbs (also within a
+    /// host, for testing; builds with the verbs feature) [default: auto, or
+    /// COLL_TRANSPORT]
     #[arg(long)]
     pub transport: Option<String>,
 

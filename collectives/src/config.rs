@@ -16,7 +16,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_CHUNK` | pipeline chunk size, bytes (`K`/`M` suffixes) | 1M |
 /// | `COLL_DEPTH` | chunks in flight per peer and direction | 4 |
 /// | `COLL_ALGO` | force an algorithm, e.g. `ring` or `allreduce=ring,alltoall=pairwise` | selector |
-/// | `COLL_TRANSPORT` | `auto` (shm within a host, tcp between hosts), `tcp`, `shm` | auto |
+/// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
@@ -92,9 +92,9 @@ impl Config {
         if self.timeout.is_zero() {
             return Err("timeout must be positive".into());
         }
-        if !["auto", "tcp", "shm"].contains(&self.transport.as_str()) {
+        if !["auto", "tcp", "shm", "verbs"].contains(&self.transport.as_str()) {
             return Err(format!(
-                "unknown transport '{}' (one of auto, tcp, shm)",
+                "unknown transport '{}' (one of auto, tcp, shm, verbs)",
                 self.transport
             ));
         }
@@ -106,12 +106,22 @@ impl Config {
         format!("transport={} chunk={}", self.transport, self.chunk_bytes)
     }
 
-    /// The transport for a peer, given whether it shares our host.
-    pub(crate) fn transport_for(&self, same_host: bool) -> Result<&'static str, String> {
-        match (self.transport.as_str(), same_host) {
-            ("tcp", _) | ("auto", false) => Ok("tcp"),
-            ("shm" | "auto", true) => Ok("shm"),
-            _ => Err("the shm transport was forced, but not every rank is on this host".into()),
+    /// The transport for a peer, given whether it shares our host and
+    /// whether both ends have an RDMA device (both published a verbs
+    /// address): the same answer at both ends of every pair.
+    pub(crate) fn transport_for(
+        &self,
+        same_host: bool,
+        both_verbs: bool,
+    ) -> Result<&'static str, String> {
+        match (self.transport.as_str(), same_host, both_verbs) {
+            ("auto", true, _) | ("shm", true, _) => Ok("shm"),
+            ("auto", false, true) | ("verbs", _, true) => Ok("verbs"),
+            ("auto", false, false) | ("tcp", _, _) => Ok("tcp"),
+            ("shm", false, _) => Err("the shm transport was forced, but not every rank is on this host".into()),
+            _ => Err(
+                "the verbs transport was forced, but a rank has no usable RDMA device (or a build without the verbs feature)".into(),
+            ),
         }
     }
 

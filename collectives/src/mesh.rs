@@ -16,12 +16,21 @@ use transport::{Connection, Hello, Listener, Rank, Transport};
 use crate::bootstrap::rendezvous::{self, Table};
 use crate::Config;
 
-/// Every transport this build offers; peers publish an address for each.
+/// Every transport this build offers and this host can use; peers publish
+/// an address for each.
 pub(crate) fn available(bind_ip: IpAddr, config: &Config) -> Vec<Arc<dyn Transport>> {
-    vec![
+    #[allow(unused_mut)]
+    let mut list: Vec<Arc<dyn Transport>> = vec![
         Arc::new(TcpTransport::new(bind_ip, config.tcp)),
         Arc::new(ShmTransport::new(config.shm)),
-    ]
+    ];
+    #[cfg(feature = "verbs")]
+    match transport::verbs::VerbsTransport::open(bind_ip) {
+        Ok(v) => list.push(Arc::new(v)),
+        // Not an error unless verbs is forced: the plan says so then.
+        Err(e) => tracing::info!("verbs transport unavailable: {e}"),
+    }
+    list
 }
 
 /// Transport name to hex address blob, as published at the rendezvous.
@@ -78,7 +87,7 @@ pub(crate) fn connect(
                 return Ok(None);
             }
             let name = config
-                .transport_for(p.host_id == me.host_id)
+                .transport_for(p.host_id == me.host_id, has_verbs(me) && has_verbs(p))
                 .map_err(|e| format!("{e} (rank {} is on {})", p.rank, p.hostname))?;
             Ok(available.iter().position(|t| t.name() == name))
         })
@@ -121,6 +130,10 @@ pub(crate) fn connect(
         used = available.to_vec();
     }
     Ok(Mesh { conns, via, used })
+}
+
+fn has_verbs(p: &crate::bootstrap::rendezvous::PeerInfo) -> bool {
+    p.addresses.contains_key("verbs")
 }
 
 fn dial(
