@@ -100,27 +100,27 @@ fn silent_rank(transport: &str) {
 
 #[test]
 fn disagreeing_ranks_are_told_what_differs() {
-    for (kind, theirs) in [
-        ("count", "allreduce #1 (1023 x f32, sum)"),
-        ("dtype", "allreduce #1 (1024 x i32, sum)"),
-        ("op", "allreduce #1 (1024 x f32, max)"),
-    ] {
-        let transport = if kind == "dtype" { "tcp" } else { "shm" };
-        let r = job(3, &["mismatch", kind], transport, "10");
-        assert!(!r.ok, "{kind}");
-        assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);
-        assert!(
-            r.stderr.contains(theirs) || r.stderr.contains("allreduce #1 (1024 x f32, sum)"),
-            "{kind}: {}",
-            r.stderr
-        );
-        assert!(
-            r.elapsed < Duration::from_secs(8),
-            "{kind} took {:?}",
-            r.elapsed
-        );
-        assert_all_gone(&r);
-    }
+    disagreement("count", "allreduce #1 (1023 x f32, sum)", "shm");
+    disagreement("dtype", "allreduce #1 (1024 x i32, sum)", "tcp");
+    disagreement("op", "allreduce #1 (1024 x f32, max)", "shm");
+}
+
+/// One rank differs in `kind`; the error quotes its call or ours.
+fn disagreement(kind: &str, theirs: &str, transport: &str) {
+    let r = job(3, &["mismatch", kind], transport, "10");
+    assert!(!r.ok, "{kind}");
+    assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);
+    assert!(
+        r.stderr.contains(theirs) || r.stderr.contains("allreduce #1 (1024 x f32, sum)"),
+        "{kind}: {}",
+        r.stderr
+    );
+    assert!(
+        r.elapsed < Duration::from_secs(8),
+        "{kind} took {:?}",
+        r.elapsed
+    );
+    assert_all_gone(&r);
 }
 
 #[test]
@@ -284,4 +284,15 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
         "{}",
         r0.stderr
     );
+}
+
+// The same failures over RDMA verbs, inside a soft-RoCE VM (ci/rxe.sh).
+#[cfg(feature = "verbs")]
+#[test]
+fn verbs_failures_are_named_too() {
+    if integration_tests::has_rdma_device() {
+        killed_rank("verbs");
+        silent_rank("verbs");
+        disagreement("count", "allreduce #1 (1023 x f32, sum)", "verbs");
+    }
 }

@@ -107,6 +107,7 @@ pub fn free_port() -> u16 {
 pub struct Hosts {
     pub names: Vec<String>,
     pub agent: std::path::PathBuf,
+    tag: String,
 }
 
 impl Hosts {
@@ -122,6 +123,7 @@ impl Hosts {
         let hosts = Hosts {
             agent: std::env::temp_dir().join(format!("coll-nsagent-{tag}.sh")),
             names,
+            tag,
         };
         match hosts.create() {
             Ok(()) => Some(hosts),
@@ -177,10 +179,8 @@ impl Hosts {
                 continue;
             }
             // A veth pair from host 0 to host i, addressed as /32 routes.
-            let (a, b) = (
-                format!("{}a{i}", &name[..name.len().min(10)]),
-                format!("{}b{i}", &name[..name.len().min(10)]),
-            );
+            // Named from the whole tag: interface names hold 15 bytes.
+            let (a, b) = (format!("v{}a{i}", self.tag), format!("v{}b{i}", self.tag));
             ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
             ip(&["link", "set", &a, "netns", &self.names[0]])?;
             ip(&["link", "set", &b, "netns", name])?;
@@ -268,6 +268,18 @@ pub fn has_command(name: &str) -> bool {
         let required = std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1");
         assert!(!required, "{name} is not installed, and COLL_REQUIRE_MPI=1");
         eprintln!("skipping: {name} is not installed");
+    }
+    found
+}
+
+/// Whether this machine has an RDMA device (soft-RoCE counts): if not, the
+/// verbs test is skipped, or with COLL_REQUIRE_VERBS=1 that is a failure.
+pub fn has_rdma_device() -> bool {
+    let found = std::fs::read_dir("/sys/class/infiniband").is_ok_and(|mut d| d.next().is_some());
+    if !found {
+        let required = std::env::var("COLL_REQUIRE_VERBS").is_ok_and(|v| v == "1");
+        assert!(!required, "no RDMA device, and COLL_REQUIRE_VERBS=1");
+        eprintln!("skipping: no RDMA device (see ci/rxe.sh to test on soft-RoCE)");
     }
     found
 }

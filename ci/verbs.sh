@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# ci/verbs.sh: the RDMA verbs tests on soft-RoCE. Builds with the verbs
+# feature (needs cmake and libclang: rdma-core's headers are built by the
+# rdma-mummy-sys crate), then boots one VM with ci/rxe.sh and runs inside it
+# the transport contract tests, the verbs parts of the correctness matrix
+# and of the fault tests, checked collbench sweeps, and a run under mpirun.
+# COLL_REQUIRE_VERBS=1 inside: a missing device fails instead of skipping.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" = --in-vm ]; then
+  # Through a pipe: progress lines meant for terminals would flood the log.
+  if [ -t 1 ]; then
+    "$0" "$@" 2>&1 | cat
+    exit "${PIPESTATUS[0]}"
+  fi
+  shift
+  export COLL_REQUIRE_VERBS=1
+  bench=target/verbs/release/collbench
+  step() { printf '\n=== (soft-RoCE VM) %s\n' "$*"; }
+  step "transport contract tests"
+  "$1" --test-threads 1
+  step "correctness matrix over verbs"
+  "$2" verbs --test-threads 1
+  step "faults over verbs"
+  "$3" verbs --test-threads 1
+  step "checked sweeps over verbs, 3 ranks, every collective"
+  $bench allreduce -n 3 -b 8 -e 64M -f 8 -c 1 --transport verbs
+  $bench alltoall -n 3 -b 8 -e 64M -f 8 -c 1 --transport verbs
+  for c in reducescatter allgather broadcast reduce; do
+    $bench $c -n 3 -b 8 -e 1M -f 32 -c 1 --transport verbs
+  done
+  if command -v mpirun.openmpi >/dev/null; then
+    step "collbench under Open MPI's mpirun, over verbs"
+    mpirun.openmpi --allow-run-as-root --oversubscribe -n 2 \
+      $bench allreduce -b 8 -e 1M -f 32 -c 1 --transport verbs
+  fi
+  exit 0
+fi
+
+features=transport/verbs,collbench/verbs,integration-tests/verbs
+build=(--release --features "$features" -p transport -p collbench -p integration-tests
+  --target-dir target/verbs)
+cargo build "${build[@]}" --bins
+# The test executables, by name, from cargo's own listing.
+tests=$(cargo test "${build[@]}" --no-run 2>&1 | sed -n 's/.*Executable .* (\(.*\))$/\1/p')
+exe() { grep "/deps/$1-" <<<"$tests"; }
+ci/rxe.sh -t 2400 -- ci/verbs.sh --in-vm "$(exe contract)" "$(exe matrix)" "$(exe faults)"
