@@ -1,6 +1,6 @@
 //! The correctness matrix over real processes, real sockets and real shared
-//! memory: every datatype, reduction and size, in and out of place, at 1, 2,
-//! 3, 4 and 8 ranks, over TCP and shared memory (with and without
+//! memory: every collective, algorithm, datatype, reduction and size, in and
+//! out of place, at 1, 2, 3, 4, 5 and 8 ranks, over TCP and shared memory (with and without
 //! single-copy reads), with large chunks (few per message) and 4 KiB ones
 //! (hundreds, so pipelining, staging reuse and uneven last chunks run).
 
@@ -41,10 +41,16 @@ fn matrix_with(ranks: usize, chunk: &str, transport: &str, extra: &[(&str, &str)
     }
 }
 
-// The selector picks direct for small AllReduces and ring for large ones;
-// forcing each algorithm runs it at every size.
-const RING: (&str, &str) = ("COLL_ALGO", "allreduce=ring");
-const DIRECT: (&str, &str) = ("COLL_ALGO", "allreduce=direct");
+// The selector picks by size; forcing each algorithm runs it at every size.
+const RING: (&str, &str) = ("COLL_ALGO", "allreduce=ring,broadcast=chain,reduce=chain");
+const DIRECT: (&str, &str) = (
+    "COLL_ALGO",
+    "allreduce=direct,broadcast=binomial,reduce=binomial",
+);
+const TREE: (&str, &str) = (
+    "COLL_ALGO",
+    "allreduce=tree,broadcast=binomial,reduce=binomial",
+);
 
 #[test]
 fn one_rank() {
@@ -87,6 +93,16 @@ fn four_ranks_tcp_ring() {
 }
 
 #[test]
+fn three_ranks_tcp_tree() {
+    matrix_with(3, "64K", "tcp", &[TREE]);
+}
+
+#[test]
+fn five_ranks_shm_tree_small_chunks() {
+    matrix_with(5, "4K", "shm", &[TREE]);
+}
+
+#[test]
 fn eight_ranks_shm() {
     matrix(8, "64K", "shm");
 }
@@ -94,4 +110,34 @@ fn eight_ranks_shm() {
 #[test]
 fn eight_ranks_tcp_ring() {
     matrix_with(8, "1M", "tcp", &[RING]);
+}
+
+// Over RDMA verbs: run inside a soft-RoCE VM by ci/rxe.sh (skipped where
+// there is no device). One rank pair per queue pair, so shared memory is
+// out of the picture even on one host.
+#[cfg(feature = "verbs")]
+mod verbs {
+    use super::*;
+    use integration_tests::has_rdma_device;
+
+    #[test]
+    fn two_ranks_verbs() {
+        if has_rdma_device() {
+            matrix(2, "1M", "verbs");
+        }
+    }
+
+    #[test]
+    fn three_ranks_verbs_ring_small_chunks() {
+        if has_rdma_device() {
+            matrix_with(3, "4K", "verbs", &[RING]);
+        }
+    }
+
+    #[test]
+    fn four_ranks_verbs_direct() {
+        if has_rdma_device() {
+            matrix_with(4, "64K", "verbs", &[DIRECT]);
+        }
+    }
 }

@@ -1,11 +1,12 @@
 //! The correctness matrix one rank runs: every datatype x reduction x size x
-//! in/out-of-place for allreduce, alltoall for every datatype, on random data,
+//! in/out-of-place for allreduce, reducescatter and reduce (every root),
+//! alltoall, allgather and broadcast for every datatype, on random data,
 //! compared with a reference reduction computed here from every rank's
 //! regenerated input (exact for integers, `approx` for floats), and results
 //! checked to be bitwise identical across ranks.
 
 use approx::abs_diff_eq;
-use collectives::{Buffers, Communicator, DataType, ReduceOp};
+use collectives::{Buffers, Collective, Communicator, DataType, ReduceOp};
 use half::{bf16, f16};
 
 /// Element counts every datatype and reduction runs at: empty, one, odd,
@@ -49,6 +50,40 @@ pub fn run(comm: &mut Communicator) -> Result<(), String> {
                 if let Some(f) = alltoall_case(comm, dtype, block, in_place, case)? {
                     failures.push(f);
                 }
+            }
+        }
+    }
+    let n = comm.size();
+    let mut others: Vec<(Collective, DataType, ReduceOp, usize)> = Vec::new();
+    for dtype in DataType::ALL {
+        for block in [0, 1, 7, 997] {
+            others.push((Collective::AllGather, dtype, ReduceOp::Sum, block * n));
+            for op in ReduceOp::ALL {
+                others.push((Collective::ReduceScatter, dtype, op, block * n));
+            }
+        }
+        for count in SIZES {
+            others.push((Collective::Broadcast, dtype, ReduceOp::Sum, count));
+            for op in ReduceOp::ALL {
+                others.push((Collective::Reduce, dtype, op, count));
+            }
+        }
+    }
+    for c in [
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Reduce,
+    ] {
+        others.push((c, DataType::F32, ReduceOp::Sum, LARGE / n * n));
+    }
+    for (c, dtype, op, count) in others {
+        for in_place in [false, true] {
+            case += 1;
+            // Roots vary with the case: every rank is root somewhere.
+            let root = c.rooted().then_some(case as usize % n);
+            if let Some(f) = other_case(comm, c, dtype, op, count, root, in_place, case)? {
+                failures.push(f);
             }
         }
     }
@@ -148,6 +183,102 @@ fn alltoall_case(
                 "alltoall {dtype} block {block} {}: element {i} is {:?}, expected {want:?} (from rank {from})",
                 place(in_place),
                 got
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// ReduceScatter, AllGather, Broadcast or Reduce on `count` elements (of
+/// the larger buffer), checked against the reference on every rank that
+/// gets a result.
+#[allow(clippy::too_many_arguments)]
+fn other_case(
+    comm: &mut Communicator,
+    c: Collective,
+    dtype: DataType,
+    op: ReduceOp,
+    count: usize,
+    root: Option<usize>,
+    in_place: bool,
+    case: u64,
+) -> Result<Option<String>, String> {
+    let (n, me) = (comm.size(), comm.rank());
+    let block = count / n;
+    let send_count = if c == Collective::AllGather {
+        block
+    } else {
+        count
+    };
+    let inputs: Vec<Vec<Val>> = (0..n)
+        .map(|r| random(dtype, op, send_count, case, r))
+        .collect();
+    let mine = encode(dtype, &inputs[me]);
+    let elem = dtype.size();
+    let recv_count = match (c, in_place) {
+        (_, true) | (Collective::AllGather, _) => count,
+        (Collective::ReduceScatter, false) => block,
+        _ => count,
+    };
+    let mut out = Aligned::new(recv_count * elem);
+    // Whatever the call must overwrite starts as garbage.
+    out.bytes().fill(0xa5);
+    let input = Aligned::from(&mine);
+    let bufs = if in_place {
+        match c {
+            Collective::AllGather => {
+                out.bytes()[me * block * elem..][..mine.len()].copy_from_slice(&mine)
+            }
+            _ => out.bytes().copy_from_slice(&mine),
+        }
+        Buffers::InPlace(out.bytes())
+    } else {
+        Buffers::OutOfPlace {
+            send: input.view(),
+            recv: out.bytes(),
+        }
+    };
+    let reduces = c.reduces().then_some(op);
+    comm.collective_bytes(c, bufs, dtype, reduces, root)
+        .map_err(|e| e.to_string())?;
+    let got = decode(dtype, out.view());
+    // (index in `got`, what it must be)
+    let expected: Vec<(usize, Val, f64)> = match c {
+        Collective::ReduceScatter => {
+            let at = if in_place { me * block } else { 0 };
+            (0..block)
+                .map(|k| {
+                    let (want, tol) = reference(dtype, op, &inputs, me * block + k);
+                    (at + k, want, tol)
+                })
+                .collect()
+        }
+        Collective::AllGather => (0..count)
+            .map(|i| (i, inputs[i / block][i % block], 0.0))
+            .collect(),
+        Collective::Broadcast => (0..count)
+            .map(|i| (i, inputs[root.unwrap()][i], 0.0))
+            .collect(),
+        _ if root != Some(me) => Vec::new(),
+        _ => (0..count)
+            .map(|i| {
+                let (want, tol) = reference(dtype, op, &inputs, i);
+                (i, want, tol)
+            })
+            .collect(),
+    };
+    for (i, want, tol) in expected {
+        let ok = match (want, got[i]) {
+            (Val::F(w), Val::F(g)) => abs_diff_eq!(g, w, epsilon = tol),
+            (w, g) => w == g,
+        };
+        if !ok {
+            let root = root.map_or(String::new(), |r| format!(" root {r}"));
+            return Ok(Some(format!(
+                "{c} {dtype} {} count {count}{root} {}: element {i} is {:?}, expected {want:?} (tolerance {tol:e})",
+                reduces.map_or(String::new(), |o| o.to_string()),
+                place(in_place),
+                got[i]
             )));
         }
     }

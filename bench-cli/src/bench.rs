@@ -17,6 +17,8 @@ pub struct Bench<'a> {
     send: Vec<u64>,
     recv: Vec<u64>,
     started: Instant,
+    /// When the last progress line went to a log (not a terminal).
+    logged: Instant,
 }
 
 impl<'a> Bench<'a> {
@@ -34,16 +36,25 @@ impl<'a> Bench<'a> {
             send: buffer(max_bytes as usize),
             recv: buffer(max_bytes as usize),
             started: Instant::now(),
+            logged: Instant::now(),
         }
     }
 
-    /// Elements per rank for a requested size (alltoall: a multiple of the rank count).
+    /// Elements of the (larger) buffer for a requested size: a multiple of
+    /// the rank count for the collectives that cut it into blocks.
     pub fn count(&self, bytes: u64) -> usize {
         let count = bytes as usize / self.args.dtype.size();
-        match self.collective {
-            Collective::AllToAll => count / self.comm.size() * self.comm.size(),
-            _ => count,
+        match self.blocks() {
+            true => count / self.comm.size() * self.comm.size(),
+            false => count,
         }
+    }
+
+    fn blocks(&self) -> bool {
+        matches!(
+            self.collective,
+            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather
+        )
     }
 
     /// Measures one size, out of place then in place.
@@ -56,7 +67,7 @@ impl<'a> Bench<'a> {
             bytes: bytes as u64,
             count: count as u64,
             dtype: self.args.dtype,
-            op: (self.collective == Collective::AllReduce).then_some(self.args.op),
+            op: self.collective.reduces().then_some(self.args.op),
             out_of_place,
             in_place,
         })
@@ -90,7 +101,8 @@ impl<'a> Bench<'a> {
         ))
     }
 
-    /// Fills the inputs with this rank's pattern, runs once, counts wrong elements.
+    /// Fills the inputs with this rank's pattern and the output with
+    /// another, runs once, counts wrong elements.
     fn check(&mut self, bytes: usize, in_place: bool) -> Result<u64, collectives::Error> {
         let (rank, n, dtype, op) = (
             self.comm.rank(),
@@ -98,56 +110,90 @@ impl<'a> Bench<'a> {
             self.args.dtype,
             self.args.op,
         );
-        let input = if in_place {
-            &mut self.recv
-        } else {
-            &mut self.send
+        let (send_len, recv_len) = self.lengths(bytes, in_place);
+        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len];
+        // Whatever the call must overwrite holds values it must not leave.
+        data::fill_alltoall(recv, dtype, n + 1);
+        let block = bytes / n;
+        let input = match in_place {
+            true if self.collective == Collective::AllGather => &mut recv[rank * block..][..block],
+            true => recv,
+            false => &mut bytemuck::cast_slice_mut(&mut self.send)[..send_len],
         };
-        let input = &mut bytemuck::cast_slice_mut(input)[..bytes];
         match self.collective {
-            Collective::AllToAll => data::fill_alltoall(input, dtype, rank),
+            Collective::AllToAll | Collective::AllGather => data::fill_alltoall(input, dtype, rank),
+            Collective::Broadcast if rank == self.args.root => {
+                data::fill_alltoall(input, dtype, rank)
+            }
+            Collective::Broadcast => {}
             _ => data::fill_allreduce(input, dtype, op, rank),
         }
         self.call(bytes, in_place)?;
-        let result = &bytemuck::cast_slice(&self.recv)[..bytes];
+        let result = &bytemuck::cast_slice(&self.recv)[..recv_len];
+        let elem = dtype.size();
         Ok(match self.collective {
             Collective::AllToAll => data::check_alltoall(result, dtype, rank, n),
+            Collective::AllGather => (0..n)
+                .map(|j| data::check_copy_of(&result[j * block..][..block], dtype, j))
+                .sum(),
+            Collective::ReduceScatter => {
+                let mine = if in_place {
+                    &result[rank * block..][..block]
+                } else {
+                    result
+                };
+                data::check_reduced_from(mine, dtype, op, n, rank * block / elem)
+            }
+            Collective::Broadcast => data::check_copy_of(result, dtype, self.args.root),
+            Collective::Reduce if rank != self.args.root => 0,
             _ => data::check_allreduce(result, dtype, op, n),
         })
     }
 
+    /// Bytes of the send and receive buffers for a call of `bytes` (the
+    /// larger buffer), in place or not.
+    fn lengths(&self, bytes: usize, in_place: bool) -> (usize, usize) {
+        let block = bytes / self.comm.size();
+        match (self.collective, in_place) {
+            (_, true) => (0, bytes),
+            (Collective::ReduceScatter, false) => (bytes, block),
+            (Collective::AllGather, false) => (block, bytes),
+            _ => (bytes, bytes),
+        }
+    }
+
     fn call(&mut self, bytes: usize, in_place: bool) -> Result<(), collectives::Error> {
-        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..bytes];
+        let (send_len, recv_len) = self.lengths(bytes, in_place);
+        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len];
         let bufs = if in_place {
             Buffers::InPlace(recv)
         } else {
             Buffers::OutOfPlace {
-                send: &bytemuck::cast_slice(&self.send)[..bytes],
+                send: &bytemuck::cast_slice(&self.send)[..send_len],
                 recv,
             }
         };
-        match self.collective {
-            Collective::AllReduce => {
-                self.comm
-                    .all_reduce_bytes(bufs, self.args.dtype, self.args.op)
-            }
-            Collective::AllToAll => self.comm.all_to_all_bytes(bufs, self.args.dtype),
-            Collective::Barrier => self.comm.barrier(),
-        }
+        let c = self.collective;
+        let op = c.reduces().then_some(self.args.op);
+        let root = c.rooted().then_some(self.args.root);
+        self.comm
+            .collective_bytes(c, bufs, self.args.dtype, op, root)
     }
 
     /// nccl-tests' bus bandwidth factor.
     fn bus_factor(&self) -> f64 {
-        let n = self.comm.size() as f64;
-        match self.collective {
-            Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::AllToAll => (n - 1.0) / n,
-            Collective::Barrier => 1.0,
-        }
+        self.collective.bus_factor(self.comm.size())
     }
 
     /// A line on stderr (rank 0) when iterations are slow enough to wonder.
-    fn progress(&self, bytes: usize, in_place: bool, done: usize, iters: usize, elapsed: Duration) {
+    fn progress(
+        &mut self,
+        bytes: usize,
+        in_place: bool,
+        done: usize,
+        iters: usize,
+        elapsed: Duration,
+    ) {
         let each = elapsed / done as u32;
         if self.comm.rank() != 0 || each < Duration::from_millis(500) {
             return;
@@ -161,7 +207,9 @@ impl<'a> Bench<'a> {
         );
         if std::io::stderr().is_terminal() {
             eprint!("\r{line}\x1b[K{}", if done == iters { "\n" } else { "" });
-        } else {
+        } else if done == iters || self.logged.elapsed() >= Duration::from_secs(10) {
+            // A log gets a line every 10 s, not one per iteration.
+            self.logged = Instant::now();
             collectives::log::eprint_line(&line);
         }
     }

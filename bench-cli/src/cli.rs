@@ -16,8 +16,9 @@ Examples:
 
 Columns are those of nccl-tests: time is the mean per call over the timed
 iterations, the maximum over ranks; algbw = size / time; busbw = algbw x the
-collective's factor (allreduce 2(n-1)/n, alltoall (n-1)/n), comparable to the
-link bandwidth. #wrong counts result elements that differ from the expected
+collective's factor (allreduce 2(n-1)/n; alltoall, reducescatter, allgather
+(n-1)/n; broadcast, reduce 1), comparable to the link bandwidth. For
+reducescatter and allgather the size is that of the whole (larger) buffer. #wrong counts result elements that differ from the expected
 value, summed over ranks; the exit status is non-zero if any is wrong or any
 rank fails.
 
@@ -45,6 +46,18 @@ pub enum Command {
     /// AllToAll: rank i's block j goes to rank j's block i
     #[command(after_help = EXAMPLES)]
     Alltoall(BenchArgs),
+    /// ReduceScatter: rank i ends with block i of the reduction (size = the whole buffer)
+    #[command(after_help = EXAMPLES)]
+    Reducescatter(BenchArgs),
+    /// AllGather: every rank ends with every rank's block (size = the gathered buffer)
+    #[command(after_help = EXAMPLES)]
+    Allgather(BenchArgs),
+    /// Broadcast: every rank ends with the root's buffer
+    #[command(after_help = EXAMPLES)]
+    Broadcast(BenchArgs),
+    /// Reduce: the root ends with the reduction of every rank's buffer
+    #[command(after_help = EXAMPLES)]
+    Reduce(BenchArgs),
     /// List the registered algorithms (the names --algo accepts)
     Algorithms,
 }
@@ -93,9 +106,13 @@ pub struct BenchArgs {
     #[arg(short = 'd', long, default_value = "float")]
     pub dtype: DataType,
 
-    /// Reduction (allreduce): sum, prod, min, max, avg
+    /// Reduction (allreduce, reducescatter, reduce): sum, prod, min, max, avg
     #[arg(short = 'o', long, default_value = "sum")]
     pub op: ReduceOp,
+
+    /// Root rank (broadcast, reduce)
+    #[arg(short = 'r', long, default_value_t = 0)]
+    pub root: usize,
 
     /// Transport between ranks: auto (shared memory within a host; RDMA
     /// verbs, else TCP, between hosts), tcp, shm, or verbs (also within a

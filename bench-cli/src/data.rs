@@ -219,12 +219,33 @@ pub fn fill_alltoall(buf: &mut [u8], dtype: DataType, rank: usize) {
 
 /// Elements of an allreduce result over `n` ranks that are wrong.
 pub fn check_allreduce(buf: &[u8], dtype: DataType, op: ReduceOp, n: usize) -> u64 {
+    check_reduced_from(buf, dtype, op, n, 0)
+}
+
+/// Like [`check_allreduce`] for a part of the result that starts at element
+/// `first` (a reducescatter's block).
+pub fn check_reduced_from(
+    buf: &[u8],
+    dtype: DataType,
+    op: ReduceOp,
+    n: usize,
+    first: usize,
+) -> u64 {
     with_type!(dtype, T => {
         let want = table::<T>(|i| {
             let r = reduced(op, T::SIGNED, n, i);
             if op == ReduceOp::Avg { T::average(r, n) } else { T::from_i64(r) }
         });
-        count_wrong::<T>(buf, &want, 0, n)
+        count_wrong::<T>(buf, &want, first % PERIOD, n)
+    })
+}
+
+/// Elements of `buf` that are not rank `from`'s [`fill_alltoall`] pattern
+/// (an allgather block, a broadcast result).
+pub fn check_copy_of(buf: &[u8], dtype: DataType, from: usize) -> u64 {
+    with_type!(dtype, T => {
+        let want = table::<T>(|i| T::from_i64(input(ReduceOp::Sum, T::SIGNED, from, i)));
+        count_wrong::<T>(buf, &want, 0, 1)
     })
 }
 

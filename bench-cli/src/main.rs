@@ -28,9 +28,13 @@ fn main() -> ExitCode {
     let (collective, args) = match cli.command {
         Command::Allreduce(a) => (Collective::AllReduce, a),
         Command::Alltoall(a) => (Collective::AllToAll, a),
+        Command::Reducescatter(a) => (Collective::ReduceScatter, a),
+        Command::Allgather(a) => (Collective::AllGather, a),
+        Command::Broadcast(a) => (Collective::Broadcast, a),
+        Command::Reduce(a) => (Collective::Reduce, a),
         Command::Algorithms => {
             for a in ALGORITHMS {
-                println!("{:<10} {:<14} {}", a.collective.name(), a.name, a.summary);
+                println!("{:<14} {:<10} {}", a.collective.name(), a.name, a.summary);
             }
             return ExitCode::SUCCESS;
         }
@@ -216,8 +220,12 @@ fn print_preamble(
     let (iters, warmup) = args.iterations(smallest);
     writeln!(
         out,
-        "# datatype {}, check {}, iterations {iters} (warmup {warmup}) at {}",
+        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}",
         bench::describe_dtype(args.dtype),
+        match bench.collective.rooted() {
+            true => format!(", root {}", args.root),
+            false => String::new(),
+        },
         if args.check == 1 { "on" } else { "off" },
         human_bytes(smallest),
     )?;

@@ -166,7 +166,15 @@ fn bad_requests_fail_with_a_message() {
     assert!(!r.ok);
     assert!(
         r.stderr
-            .contains("no allreduce algorithm named 'nosuch' (available: ring, direct)"),
+            .contains("no allreduce algorithm named 'nosuch' (available: ring, direct, tree)"),
+        "{}",
+        r.stderr
+    );
+    let r = collbench(&["broadcast", "-n", "2", "--root", "5", "--size", "8"]);
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("broadcast: root 5 is not a rank of the 2"),
         "{}",
         r.stderr
     );

@@ -47,6 +47,8 @@ pub struct Communicator {
     announced: Vec<(Collective, &'static str)>,
     /// An in-place call's input, copied aside for algorithms that need one.
     scratch: Vec<u64>,
+    /// Where an out-of-place reduce-scatter reduces.
+    reduce_scatter_buf: Vec<u64>,
     /// The executor's reusable memory.
     workspace: Workspace,
     /// How long an idle wait spins before yielding (zero when this host's
@@ -146,6 +148,7 @@ impl Communicator {
             aborted: None,
             announced: Vec::new(),
             scratch: Vec::new(),
+            reduce_scatter_buf: Vec::new(),
             workspace: Workspace::default(),
             spin,
         })
@@ -260,7 +263,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        self.run(Collective::AllReduce, bufs, dtype, Some(op))
+        self.run(Collective::AllReduce, bufs, dtype, Some(op), None)
     }
 
     /// Block `j` of `send` goes to rank `j`; block `j` of `recv` comes from
@@ -280,7 +283,83 @@ impl Communicator {
 
     /// AllToAll on byte buffers holding `dtype` elements.
     pub fn all_to_all_bytes(&mut self, bufs: Buffers<'_>, dtype: DataType) -> Result<()> {
-        self.run(Collective::AllToAll, bufs, dtype, None)
+        self.run(Collective::AllToAll, bufs, dtype, None, None)
+    }
+
+    /// `recv = block rank of (op over ranks of send)`, where `send` holds
+    /// one block of `recv.len()` elements per rank.
+    pub fn reduce_scatter<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bufs = Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.run(Collective::ReduceScatter, bufs, T::DTYPE, Some(op), None)
+    }
+
+    /// Reduce-scatter whose result lands in block `rank` of `buf` (NCCL's
+    /// in-place convention: `recvbuff == sendbuff + rank * recvcount`); the
+    /// other blocks are left with partial results.
+    pub fn reduce_scatter_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
+        self.run(Collective::ReduceScatter, bufs, T::DTYPE, Some(op), None)
+    }
+
+    /// Block `j` of `recv` (each `send.len()` elements) is rank `j`'s `send`.
+    pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
+        let bufs = Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.run(Collective::AllGather, bufs, T::DTYPE, None, None)
+    }
+
+    /// All-gather where each rank's contribution is already block `rank` of `buf`.
+    pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
+        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
+        self.run(Collective::AllGather, bufs, T::DTYPE, None, None)
+    }
+
+    /// Every rank's `buf` becomes rank `root`'s.
+    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<()> {
+        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
+        self.run(Collective::Broadcast, bufs, T::DTYPE, None, Some(root))
+    }
+
+    /// `recv[i] = op over ranks of send[i]` on rank `root`. Every rank passes
+    /// a `recv` of the same length: on the others it is used as workspace and
+    /// holds partial results afterwards.
+    pub fn reduce<T: Element>(
+        &mut self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let bufs = Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        };
+        self.run(Collective::Reduce, bufs, T::DTYPE, Some(op), Some(root))
+    }
+
+    /// Reduce where `buf` is both input and, on `root`, result.
+    pub fn reduce_in_place<T: Element>(
+        &mut self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: Rank,
+    ) -> Result<()> {
+        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
+        self.run(Collective::Reduce, bufs, T::DTYPE, Some(op), Some(root))
     }
 
     /// Returns once every rank has entered the barrier.
@@ -289,6 +368,7 @@ impl Communicator {
             Collective::Barrier,
             Buffers::InPlace(&mut []),
             DataType::U8,
+            None,
             None,
         )
     }
@@ -314,6 +394,19 @@ impl Communicator {
         self.registrations.evict(bytes.as_ptr(), bytes.len());
     }
 
+    /// Any collective on byte buffers: `op` for those that reduce, `root`
+    /// for broadcast and reduce (see the typed calls for each one's buffers).
+    pub fn collective_bytes(
+        &mut self,
+        collective: Collective,
+        bufs: Buffers<'_>,
+        dtype: DataType,
+        op: Option<ReduceOp>,
+        root: Option<Rank>,
+    ) -> Result<()> {
+        self.run(collective, bufs, dtype, op, root)
+    }
+
     /// Validates, builds the algorithm's schedule and runs it. Any failure
     /// aborts the communicator and tells the peers why.
     fn run(
@@ -322,6 +415,7 @@ impl Communicator {
         bufs: Buffers<'_>,
         dtype: DataType,
         op: Option<ReduceOp>,
+        root: Option<Rank>,
     ) -> Result<()> {
         if let Some(reason) = &self.aborted {
             return Err(Error::Aborted {
@@ -333,59 +427,110 @@ impl Communicator {
             Buffers::InPlace(b) => (None, b),
             Buffers::OutOfPlace { send, recv } => (Some(send), recv),
         };
+        let larger = input.map_or(0, <[u8]>::len).max(output.len());
         let desc = OpDesc {
             collective,
             dtype,
             op,
-            count: (output.len() / dtype.size()) as u64,
+            count: (larger / dtype.size()) as u64,
+            root: root.map(|r| u16::try_from(r).unwrap_or(u16::MAX)),
             seq: self.seq,
         };
         self.seq = self.seq.wrapping_add(1);
-        let result = self
-            .check_args(collective, input, output, dtype)
-            .and_then(|()| {
-                // Nothing to move (as in NCCL and MPI); barriers always run.
-                if output.is_empty() && collective != Collective::Barrier {
-                    return Ok(());
-                }
-                let (algo, why) = self.choose(collective, output.len())?;
-                self.announce(collective, algo, why);
-                self.execute(desc, algo, input, output)
-            });
+        let result = self.check_args(&desc, input, output).and_then(|()| {
+            // Nothing to move (as in NCCL and MPI); barriers always run.
+            if desc.count == 0 && collective != Collective::Barrier {
+                return Ok(());
+            }
+            let (algo, why) = self.choose(collective, larger)?;
+            self.announce(collective, algo, why);
+            self.execute_into(desc, algo, input, output)
+        });
         if let Err(e) = &result {
             self.abort(&root_cause(e));
         }
         result
     }
 
-    fn check_args(
-        &self,
-        collective: Collective,
+    /// Runs the call; a reduce-scatter out of place reduces in a whole-size
+    /// buffer of ours (the ring passes every block through each rank) and
+    /// hands over this rank's block at the end.
+    fn execute_into(
+        &mut self,
+        desc: OpDesc,
+        algo: &Algorithm,
         input: Option<&[u8]>,
-        output: &[u8],
-        dtype: DataType,
+        output: &mut [u8],
     ) -> Result<()> {
+        let Some(send) = input.filter(|_| desc.collective == Collective::ReduceScatter) else {
+            return self.execute(desc, algo, input, output);
+        };
+        let mut whole = std::mem::take(&mut self.reduce_scatter_buf);
+        whole.resize(whole.len().max(send.len().div_ceil(8)), 0);
+        let bytes = &mut bytemuck::cast_slice_mut(&mut whole)[..send.len()];
+        let result = self.execute(desc, algo, Some(send), bytes);
+        let mine = self.rank * output.len();
+        output.copy_from_slice(&bytes[mine..mine + output.len()]);
+        self.reduce_scatter_buf = whole;
+        result
+    }
+
+    fn check_args(&self, desc: &OpDesc, input: Option<&[u8]>, output: &[u8]) -> Result<()> {
         let bad = |message: String| {
             Err(Error::InvalidArgument {
                 rank: self.rank,
                 message,
             })
         };
-        let elem = dtype.size();
-        if let Some(input) = input {
-            if input.len() != output.len() {
+        let (collective, dtype, n) = (desc.collective, desc.dtype, self.size);
+        if collective.reduces() != desc.op.is_some() {
+            return bad(format!(
+                "{collective}: a reduction op is {}",
+                match desc.op {
+                    Some(_) => "not used here",
+                    None => "needed",
+                }
+            ));
+        }
+        match desc.root {
+            Some(_) if !collective.rooted() => return bad(format!("{collective} has no root")),
+            Some(root) if root as usize >= n => {
                 return bad(format!(
-                    "{collective}: send buffer has {} bytes, receive buffer {}",
+                    "{collective}: root {root} is not a rank of the {n}"
+                ))
+            }
+            None if collective.rooted() => return bad(format!("{collective} needs a root")),
+            _ => {}
+        }
+        let elem = dtype.size();
+        // The one buffer of an in-place call, or the send buffer's length
+        // relative to the receive buffer's.
+        let (smaller, factor) = match collective {
+            Collective::ReduceScatter => (input.map(|_| output.len()), n),
+            Collective::AllGather => (input.map(<[u8]>::len), n),
+            _ => (input.map(<[u8]>::len), 1),
+        };
+        let larger = input.map_or(output.len(), |i| i.len().max(output.len()));
+        if let (Some(input), Some(smaller)) = (input, smaller) {
+            if smaller * factor != larger || input.len().min(output.len()) != smaller {
+                let rule = match factor {
+                    1 => "equal".to_string(),
+                    _ => format!("the larger {n} times the smaller (one block per rank)"),
+                };
+                return bad(format!(
+                    "{collective}: send buffer has {} bytes, receive buffer {}; they must be {rule}",
                     input.len(),
                     output.len()
                 ));
             }
         }
-        if output.len() % elem != 0 {
+        if larger % elem != 0 {
             return bad(format!(
-                "{collective}: {} bytes is not a whole number of {dtype} elements",
-                output.len()
+                "{collective}: {larger} bytes is not a whole number of {dtype} elements"
             ));
+        }
+        if desc.count > OpDesc::MAX_COUNT {
+            return bad(format!("{collective}: {} elements is too many", desc.count));
         }
         for b in input.into_iter().chain([output]) {
             if b.as_ptr() as usize % elem != 0 {
@@ -395,11 +540,14 @@ impl Communicator {
                 ));
             }
         }
-        if collective == Collective::AllToAll && (output.len() / elem) % self.size != 0 {
+        let blocks = matches!(
+            collective,
+            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather
+        );
+        if blocks && (larger / elem) % n != 0 {
             return bad(format!(
-                "alltoall: count {} is not divisible by the {} ranks (each rank gets count/ranks elements)",
-                output.len() / elem,
-                self.size
+                "{collective}: count {} is not divisible by the {n} ranks (one block per rank)",
+                larger / elem,
             ));
         }
         Ok(())
@@ -431,6 +579,7 @@ impl Communicator {
             elem,
             chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
             in_place: input.is_none(),
+            root: desc.root.map_or(0, usize::from),
         };
         let mut ws = std::mem::take(&mut self.workspace);
         ws.sched.clear();

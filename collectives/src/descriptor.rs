@@ -15,13 +15,21 @@ pub enum Collective {
     AllReduce = 1,
     AllToAll,
     Barrier,
+    ReduceScatter,
+    AllGather,
+    Broadcast,
+    Reduce,
 }
 
 impl Collective {
-    pub const ALL: [Collective; 3] = [
+    pub const ALL: [Collective; 7] = [
         Collective::AllReduce,
         Collective::AllToAll,
         Collective::Barrier,
+        Collective::ReduceScatter,
+        Collective::AllGather,
+        Collective::Broadcast,
+        Collective::Reduce,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -29,6 +37,36 @@ impl Collective {
             Collective::AllReduce => "allreduce",
             Collective::AllToAll => "alltoall",
             Collective::Barrier => "barrier",
+            Collective::ReduceScatter => "reducescatter",
+            Collective::AllGather => "allgather",
+            Collective::Broadcast => "broadcast",
+            Collective::Reduce => "reduce",
+        }
+    }
+
+    /// Whether it combines values with a [`ReduceOp`].
+    pub const fn reduces(self) -> bool {
+        matches!(
+            self,
+            Collective::AllReduce | Collective::ReduceScatter | Collective::Reduce
+        )
+    }
+
+    /// Whether it has a root rank.
+    pub const fn rooted(self) -> bool {
+        matches!(self, Collective::Broadcast | Collective::Reduce)
+    }
+
+    /// nccl-tests' bus bandwidth factor on `n` ranks: busbw = algbw x factor,
+    /// the fraction of the data each rank's link must carry.
+    pub fn bus_factor(self, n: usize) -> f64 {
+        let n = n as f64;
+        match self {
+            Collective::AllReduce => 2.0 * (n - 1.0) / n,
+            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather => {
+                (n - 1.0) / n
+            }
+            Collective::Broadcast | Collective::Reduce | Collective::Barrier => 1.0,
         }
     }
 
@@ -49,16 +87,25 @@ pub struct OpDesc {
     pub collective: Collective,
     pub dtype: DataType,
     pub op: Option<ReduceOp>,
-    /// Elements per rank's buffer, as the caller passed it.
+    /// Elements of the larger of a rank's buffers (the whole gathered or
+    /// scattered buffer for allgather and reducescatter, as nccl-tests counts).
     pub count: u64,
+    /// The root of broadcast and reduce.
+    pub root: Option<u16>,
     /// Calls made on this communicator before this one.
     pub seq: u32,
 }
 
 impl OpDesc {
-    /// Layout: count (64 bits) | seq (32) | collective (8) | dtype (8) | op (8) | 0 (8).
+    /// Counts above this do not fit a tag (no buffer comes near).
+    pub const MAX_COUNT: u64 = (1 << 47) - 1;
+
+    /// Layout: count (47 bits) | has root (1) | root (16) | seq (32) |
+    /// collective (8) | dtype (8) | op (8) | 0 (8).
     pub fn tag(&self) -> Tag {
-        (self.count as u128)
+        ((self.count & Self::MAX_COUNT) as u128)
+            | (self.root.map_or(0, |_| 1u128) << 47)
+            | (self.root.unwrap_or(0) as u128) << 48
             | (self.seq as u128) << 64
             | (self.collective as u128) << 96
             | (self.dtype as u128) << 104
@@ -73,7 +120,8 @@ impl OpDesc {
             v => Some(ReduceOp::from_u8(v)?),
         };
         Some(OpDesc {
-            count: tag as u64,
+            count: tag as u64 & Self::MAX_COUNT,
+            root: ((tag >> 47) & 1 == 1).then_some((tag >> 48) as u16),
             seq: (tag >> 64) as u32,
             collective: Collective::from_u8(byte(96))?,
             dtype: DataType::from_u8(byte(104))?,
@@ -91,6 +139,9 @@ impl fmt::Display for OpDesc {
             if let Some(op) = self.op {
                 write!(f, ", {op}")?;
             }
+            if let Some(root) = self.root {
+                write!(f, ", root {root}")?;
+            }
             write!(f, ")")?;
         }
         Ok(())
@@ -107,7 +158,8 @@ mod tests {
             collective: Collective::AllReduce,
             dtype: DataType::Bf16,
             op: Some(ReduceOp::Avg),
-            count: u64::MAX - 3,
+            count: OpDesc::MAX_COUNT - 3,
+            root: None,
             seq: 77,
         };
         assert_eq!(OpDesc::from_tag(a.tag()), Some(a));
@@ -117,6 +169,17 @@ mod tests {
             ..a
         };
         assert_eq!(OpDesc::from_tag(b.tag()), Some(b));
+        let c = OpDesc {
+            collective: Collective::Broadcast,
+            root: Some(65535),
+            ..b
+        };
+        assert_eq!(OpDesc::from_tag(c.tag()), Some(c));
+        assert_ne!(c.tag(), OpDesc { root: Some(0), ..c }.tag());
+        assert_ne!(
+            OpDesc { root: Some(0), ..c }.tag(),
+            OpDesc { root: None, ..c }.tag()
+        );
         assert_ne!(a.tag(), OpDesc { count: 1, ..a }.tag());
         assert_ne!(
             a.tag(),
@@ -126,10 +189,7 @@ mod tests {
             }
             .tag()
         );
-        assert_eq!(
-            a.to_string(),
-            "allreduce #77 (18446744073709551612 x bf16, avg)"
-        );
+        assert_eq!(a.to_string(), "allreduce #77 (140737488355324 x bf16, avg)");
         assert_eq!(OpDesc::from_tag(0), None);
     }
 }

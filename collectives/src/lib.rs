@@ -27,6 +27,7 @@ mod descriptor;
 mod error;
 pub mod log;
 mod mesh;
+mod nonblocking;
 pub mod reduce;
 mod schedule;
 
@@ -36,5 +37,6 @@ pub use config::{parse_algo, parse_seconds, parse_size, Config};
 pub use datatype::{DataType, Element};
 pub use descriptor::{Collective, OpDesc};
 pub use error::{Error, Result};
+pub use nonblocking::{AsyncCommunicator, Handle};
 pub use reduce::ReduceOp;
 pub use transport::Rank;

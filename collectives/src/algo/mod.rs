@@ -3,10 +3,13 @@
 //! --algo` all read. An algorithm only builds a [`Schedule`]; it never sees a
 //! transport.
 
+mod binomial;
+mod chain;
 mod direct;
 mod dissemination;
 mod pairwise;
 mod ring;
+mod tree;
 
 use crate::schedule::{Buf, Schedule, Span};
 use crate::Collective;
@@ -23,6 +26,8 @@ pub(crate) struct Layout {
     /// Bytes per pipelined chunk, a multiple of `elem`.
     pub chunk: usize,
     pub in_place: bool,
+    /// The root of broadcast and reduce (0 otherwise).
+    pub root: usize,
 }
 
 impl Layout {
@@ -43,6 +48,29 @@ impl Layout {
         let start = i * base + i.min(extra);
         let len = base + usize::from(i < extra);
         (start * self.elem, len * self.elem)
+    }
+
+    /// This rank's own block of an allgather's input: the whole send buffer,
+    /// or block `rank` of the output when in place.
+    pub fn own_block(&self) -> Span {
+        let (offset, len) = self.block(self.rank);
+        match self.in_place {
+            true => Span {
+                buf: Buf::Output,
+                offset,
+                len,
+            },
+            false => Span {
+                buf: Buf::Input,
+                offset: 0,
+                len,
+            },
+        }
+    }
+
+    /// The whole buffer, `[0, count)`.
+    pub fn all(&self) -> (usize, usize) {
+        (0, self.count * self.elem)
     }
 
     /// `[offset, offset+len)` cut into chunk-sized spans of `buf`.
@@ -68,17 +96,34 @@ pub struct Algorithm {
     pub(crate) build: fn(&Layout, &mut Schedule),
 }
 
-/// Every algorithm, by collective; the first of each collective is its default.
+/// Every algorithm, by collective; the first of each collective is its
+/// default, the bandwidth-optimal one that [`select`] falls back to.
 pub static ALGORITHMS: &[Algorithm] = &[
     ring::ALLREDUCE,
     direct::ALLREDUCE,
+    tree::ALLREDUCE,
     pairwise::ALLTOALL,
     dissemination::BARRIER,
+    ring::REDUCE_SCATTER,
+    ring::ALLGATHER,
+    chain::BROADCAST,
+    binomial::BROADCAST,
+    chain::REDUCE,
+    binomial::REDUCE,
 ];
 
 /// AllReduce sizes up to this many bytes go direct (one step) rather than
-/// around the ring: the crossover measured on one host, 2 ranks and 3-8.
+/// around the ring: the crossover measured on one host, 2 ranks and 3-7.
 pub const DIRECT_MAX_BYTES: [usize; 2] = [8 << 10, 32 << 10];
+/// From this many ranks on, AllReduces up to [`TREE_MAX_BYTES`] take the
+/// double binary tree: at 8 ranks it beat direct from 1 KiB and the ring up
+/// to 1 MiB (shared memory, 2 cores); at 4 it never beat both.
+pub const TREE_MIN_RANKS: usize = 8;
+pub const TREE_MAX_BYTES: usize = 1 << 20;
+/// Broadcast and Reduce up to this size take the binomial tree (log2 n
+/// rounds), above it the chain (pipelined, bandwidth-optimal): the binomial
+/// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
+pub const BINOMIAL_MAX_BYTES: usize = 1 << 20;
 
 /// The algorithm the selector picks for a call of `bytes` per rank on
 /// `size` ranks, and why.
@@ -87,10 +132,19 @@ pub(crate) fn select(
     bytes: usize,
     size: usize,
 ) -> (&'static Algorithm, &'static str) {
+    use Collective::*;
     match collective {
-        Collective::AllReduce if size > 1 && bytes <= DIRECT_MAX_BYTES[usize::from(size > 2)] => (
+        AllReduce if size >= TREE_MIN_RANKS && bytes <= TREE_MAX_BYTES => (
+            &tree::ALLREDUCE,
+            "many ranks, latency-bound size: 2 log2(n) hops beat the ring's 2(n-1) and direct's n-1 copies",
+        ),
+        AllReduce if size > 1 && bytes <= DIRECT_MAX_BYTES[usize::from(size > 2)] => (
             &direct::ALLREDUCE,
             "small message: one step beats the ring's 2(n-1)",
+        ),
+        Broadcast | Reduce if bytes <= BINOMIAL_MAX_BYTES => (
+            find(collective, "binomial").expect("registered"),
+            "latency-bound size: log2(n) rounds beat the chain's n-1 hops",
         ),
         _ => (default_for(collective), "the bandwidth-optimal default"),
     }
