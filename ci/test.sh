@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (the README's): formatting and lints, one
 # release build, every test from that build, then the checked collbench runs
-# that show the main job works, and a smoke run of the Open MPI comparison
-# when mpicc is there. Needs only the Rust toolchain (and Open MPI for the
-# last step, which .ci/run installs).
+# that show the main job works, the overlap example, a smoke run of the Open
+# MPI comparison when mpicc is there, and (as root) the verbs tests on
+# soft-RoCE in a VM. Needs only the Rust toolchain; .ci/run installs what the
+# optional steps need (Open MPI, MPICH, libclang, cmake; ci/rxe.sh its own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,14 +43,35 @@ step "checked sweeps, 4 ranks, over TCP and shared memory"
 for t in tcp shm; do
   $bench allreduce -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
   $bench alltoall -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
+  for c in reducescatter allgather broadcast reduce; do
+    $bench $c -n 4 -b 8 -e 64M -f 16 -c 1 --transport $t
+  done
+done
+step "checked sweeps, 3 and 8 ranks, every algorithm forced"
+for n in 3 8; do
+  for a in ring direct tree; do $bench allreduce -n $n -b 8 -e 16M -f 16 -c 1 --algo $a; done
+  for a in chain binomial; do
+    $bench broadcast -n $n -b 8 -e 16M -f 16 -c 1 --algo $a --root $((n - 1))
+    $bench reduce -n $n -b 8 -e 16M -f 16 -c 1 --algo $a --root 1
+  done
 done
 
 step "the main job: 8 ranks x 1 GiB"
 $bench allreduce -n 8 --size 1G
+
+step "non-blocking AllReduces overlapping a backward pass (examples/data_parallel.rs)"
+target/release/examples/data_parallel --steps 5
 
 if command -v mpicc.openmpi >/dev/null && command -v mpirun.openmpi >/dev/null; then
   step "comparison with Open MPI (smoke run: one repetition, 2 ranks)"
   ci/compare.sh --reps 1 --ranks 2 --sizes "8 1M" --collectives "allreduce alltoall"
 else
   echo "note: no Open MPI; skipping the comparison smoke run (.ci/run installs it)"
+fi
+
+if [ "$(id -u)" = 0 ]; then
+  step "verbs tests on soft-RoCE, in a VM (ci/verbs.sh)"
+  ci/verbs.sh
+else
+  echo "note: not root; skipping the verbs tests on soft-RoCE (ci/verbs.sh needs apt-get and QEMU)"
 fi
