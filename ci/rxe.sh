@@ -70,7 +70,9 @@ mount -t proc proc $n/proc; mount -t sysfs sys $n/sys; mount -t devtmpfs dev $n/
 mkdir -p $n/dev/shm $n/dev/pts; mount -t tmpfs shm $n/dev/shm; mount -t devpts pts $n/dev/pts
 for d in /tmp /run /var/tmp /root; do mount -t tmpfs -o mode=1777 tmp $n$d; done
 repo=$(cat /ctl/repo)
-mount -t 9p -o $o,cache=mmap,access=any repo $n$repo
+# (a repository under /tmp needs its mount point in the fresh tmpfs)
+mkdir -p $n$repo 2>/dev/null
+mount -t 9p -o $o,cache=mmap,access=any repo $n$repo || echo "rxe.sh: cannot mount $repo" >/dev/ttyS1
 mkdir -p $n/run/ctl; mount -o bind /ctl $n/run/ctl
 ip link set lo up
 hostname rxe-vm
@@ -96,7 +98,7 @@ prepare() {
     pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
   fi
   [ -n "$pkg" ] || die "cannot find Debian's kernel package"
-  [ "$(cat "$cache/stamp" 2>/dev/null)" = "$pkg 3" ] && return 0
+  [ "$(cat "$cache/stamp" 2>/dev/null)" = "$pkg 4" ] && return 0
   echo "rxe.sh: preparing $pkg and an initramfs in $cache" >&2
   mkdir -p "$cache"
   tmp=$(mktemp -d "$cache/build.XXXXXX")
@@ -133,7 +135,7 @@ prepare() {
   else
     cp "$f" "$cache/kernel"
   fi
-  echo "$pkg 3" >"$cache/stamp"
+  echo "$pkg 4" >"$cache/stamp"
   rm -rf "$tmp"
 }
 mkdir -p "$(dirname "$cache")"

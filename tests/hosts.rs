@@ -29,32 +29,39 @@ fn assert_clean(r: &Run, what: &str) {
     );
 }
 
+/// Runs `cmd` as `per_host` ranks on each host, torchrun-style (RANK,
+/// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR on host 0); returns each rank's run.
+fn torchrun_style(hosts: &Hosts, per_host: usize, port: u16, cmd: &str) -> Vec<Run> {
+    let size = per_host * hosts.names.len();
+    let master = hosts.ip(0);
+    let job = |rank: usize| {
+        let cmd = format!(
+            "env RANK={rank} WORLD_SIZE={size} LOCAL_RANK={} MASTER_ADDR={master} MASTER_PORT={port} {cmd}",
+            rank % per_host
+        );
+        let args = hosts.exec_args(rank / per_host, &cmd);
+        move || {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(Path::new("ip"), &args, &[], Duration::from_secs(300))
+        }
+    };
+    let others: Vec<_> = (1..size).map(|r| std::thread::spawn(job(r))).collect();
+    let mut runs = vec![job(0)()];
+    runs.extend(others.into_iter().map(|o| o.join().unwrap()));
+    runs
+}
+
 /// 2 hosts x 2 ranks, torchrun-style variables, MASTER_ADDR on host 0.
 #[test]
 fn ranks_on_two_hosts_use_tcp_between_and_shm_within() {
     let Some(hosts) = Hosts::new(2) else { return };
-    let bench = collbench();
-    let master = hosts.ip(0);
-    let job = |rank: usize| {
-        let host = rank / 2;
-        let cmd = format!(
-            "env RANK={rank} WORLD_SIZE=4 LOCAL_RANK={} MASTER_ADDR={master} MASTER_PORT=29611 COLL_DEBUG=info \
-             {bench} allreduce -b 8 -e 8M -f 32 -c 1",
-            rank % 2
-        );
-        let args = hosts.exec_args(host, &cmd);
-        move || {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            run(Path::new("ip"), &args, &[], Duration::from_secs(120))
-        }
-    };
-    let others: Vec<_> = (1..4).map(|r| std::thread::spawn(job(r))).collect();
-    let r0 = job(0)();
-    for o in others {
-        let r = o.join().unwrap();
+    let cmd = format!("env COLL_DEBUG=info {} allreduce -b 8 -e 8M -f 32 -c 1", collbench());
+    let runs = torchrun_style(&hosts, 2, 29611, &cmd);
+    for r in &runs[1..] {
         assert!(r.ok, "{}", r.stderr);
     }
-    assert_clean(&r0, "4 ranks on 2 hosts");
+    let r0 = &runs[0];
+    assert_clean(r0, "4 ranks on 2 hosts");
     assert!(r0.stdout.contains("transport tcp+shm"), "{}", r0.stdout);
     assert!(
         r0.stdout
@@ -73,6 +80,30 @@ fn ranks_on_two_hosts_use_tcp_between_and_shm_within() {
         "{}",
         r0.stderr
     );
+}
+
+/// The hierarchical AllReduce where it belongs: the correctness matrix on
+/// 2 hosts x 2 ranks, and a checked sweep on 2 hosts x 4 ranks.
+#[test]
+fn hierarchical_allreduce_across_two_hosts() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let worker = env!("CARGO_BIN_EXE_coll-worker");
+    let cmd = format!(
+        "env COLL_ALGO=allreduce=hierarchical COLL_CHUNK=64K COLL_TIMEOUT=60 {worker} matrix"
+    );
+    for (rank, r) in torchrun_style(&hosts, 2, 29612, &cmd).iter().enumerate() {
+        assert!(r.ok && r.stdout.contains(&format!("ok {rank}")), "rank {rank}:\n{}\n{}", r.stdout, r.stderr);
+    }
+    let cmd = format!(
+        "env COLL_DEBUG=info {} allreduce -b 8 -e 64M -f 8 -c 1 --algo hierarchical",
+        collbench()
+    );
+    let runs = torchrun_style(&hosts, 4, 29613, &cmd);
+    for r in &runs[1..] {
+        assert!(r.ok, "{}", r.stderr);
+    }
+    assert_clean(&runs[0], "hierarchical, 2 hosts x 4 ranks");
+    assert!(runs[0].stdout.contains("algorithm hierarchical"), "{}", runs[0].stdout);
 }
 
 fn mpirun_across(launcher_args: &[String], bench: &str, hosts: &Hosts, what: &str) {

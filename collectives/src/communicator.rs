@@ -12,6 +12,7 @@ use crate::bootstrap::{self, host, Bootstrap};
 use crate::descriptor::{Collective, OpDesc};
 use crate::mesh;
 use crate::schedule::{Exec, Region, Staging, Workspace};
+use crate::tuning::{Profile, Setting};
 use crate::{Config, DataType, Element, Error, ReduceOp, Result};
 
 /// The caller's buffers for one call, as bytes.
@@ -33,6 +34,8 @@ pub struct Communicator {
     size: usize,
     peers: Vec<PeerInfo>,
     local_ranks: Vec<Rank>,
+    /// The ranks of each host (see [`hosts`](Self::hosts)).
+    hosts: Vec<Vec<Rank>>,
     /// Transports some connection uses; buffers are registered with each.
     transports: Vec<Arc<dyn Transport>>,
     /// How each rank is reached (`None` for ourselves).
@@ -51,6 +54,8 @@ pub struct Communicator {
     reduce_scatter_buf: Vec<u64>,
     /// The executor's reusable memory.
     workspace: Workspace,
+    /// Measured algorithm costs the selector consults (may be empty).
+    profile: Profile,
     /// How long an idle wait spins before yielding (zero when this host's
     /// ranks outnumber its cores).
     spin: Duration,
@@ -133,9 +138,13 @@ impl Communicator {
             timeout_s = config.timeout.as_secs_f64(),
             "communicator ready"
         );
+        let hosts = group_by_host(&table.peers);
+        let profile = load_profile(rank);
         Ok(Communicator {
+            profile,
             rank,
             size: boot.size,
+            hosts,
             peers: table.peers,
             local_ranks,
             transports: mesh.used,
@@ -184,14 +193,7 @@ impl Communicator {
     /// Hosts are told apart by hostname, boot id and network namespace, so
     /// namespaces posing as hosts on one machine count as separate hosts.
     pub fn hosts(&self) -> Vec<Vec<Rank>> {
-        let mut hosts: Vec<(&str, Vec<Rank>)> = Vec::new();
-        for p in &self.peers {
-            match hosts.iter_mut().find(|(id, _)| *id == p.host_id) {
-                Some((_, ranks)) => ranks.push(p.rank),
-                None => hosts.push((&p.host_id, vec![p.rank])),
-            }
-        }
-        hosts.into_iter().map(|(_, ranks)| ranks).collect()
+        self.hosts.clone()
     }
 
     pub fn config(&self) -> &Config {
@@ -213,24 +215,47 @@ impl Communicator {
         self.choose(collective, bytes).map(|(a, _)| a)
     }
 
-    /// The algorithm for a call, and why: forced by configuration, or the selector's pick.
-    fn choose(
-        &self,
-        collective: Collective,
-        bytes: usize,
-    ) -> Result<(&'static Algorithm, &'static str)> {
-        match self.config.forced_algo(collective) {
-            None => Ok(algo::select(collective, bytes, self.size)),
-            Some(name) => algo::find(collective, name)
-                .map(|a| (a, "forced by COLL_ALGO or --algo"))
+    /// Forces `collective`'s algorithm from now on (`None`: the selector
+    /// chooses again), as `COLL_ALGO` does. Every rank must do the same.
+    pub fn force_algo(&mut self, collective: Collective, name: Option<&str>) {
+        let c = collective.name();
+        self.config.algo.retain(|(k, _)| k != c);
+        if let Some(name) = name {
+            self.config.algo.push((c.to_string(), name.to_lowercase()));
+        }
+    }
+
+    /// What the selector's cost model is keyed by for this communicator.
+    pub fn setting(&self) -> Setting {
+        Setting {
+            ranks: self.size,
+            per_host: self.hosts.iter().map(Vec::len).max().unwrap_or(1),
+            transport: self.transport_summary(),
+        }
+    }
+
+    /// The algorithm for a call, and why: forced by configuration, predicted
+    /// fastest by the measured profile, or the built-in thresholds' pick.
+    fn choose(&self, collective: Collective, bytes: usize) -> Result<(&'static Algorithm, String)> {
+        if let Some(name) = self.config.forced_algo(collective) {
+            return algo::find(collective, name)
+                .map(|a| (a, "forced by COLL_ALGO or --algo".to_string()))
                 .ok_or_else(|| Error::InvalidArgument {
                     rank: self.rank,
                     message: format!(
                         "no {collective} algorithm named '{name}' (available: {})",
                         algo::names(collective).join(", ")
                     ),
-                }),
+                });
         }
+        let measured = self.profile.best(collective, &self.setting(), bytes);
+        if let Some((entry, us)) = measured {
+            if let Some(a) = algo::find(collective, &entry.algo) {
+                return Ok((a, format!("fastest in the measured profile: {us:.1} us predicted at {bytes} B")));
+            }
+        }
+        let (a, why) = algo::select(collective, bytes, self.size, &self.hosts);
+        Ok((a, why.to_string()))
     }
 
     /// `recv[i] = op over ranks of send[i]`, on every rank.
@@ -443,7 +468,7 @@ impl Communicator {
                 return Ok(());
             }
             let (algo, why) = self.choose(collective, larger)?;
-            self.announce(collective, algo, why);
+            self.announce(collective, algo, &why);
             self.execute_into(desc, algo, input, output)
         });
         if let Err(e) = &result {
@@ -580,6 +605,7 @@ impl Communicator {
             chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
             in_place: input.is_none(),
             root: desc.root.map_or(0, usize::from),
+            hosts: &self.hosts,
         };
         let mut ws = std::mem::take(&mut self.workspace);
         ws.sched.clear();
@@ -657,6 +683,35 @@ fn root_cause(e: &Error) -> String {
         } => reason.clone(),
         e => e.to_string(),
     }
+}
+
+/// The selector's profile; a broken one is reported and left out (a
+/// missing or stale profile only costs speed).
+fn load_profile(rank: Rank) -> Profile {
+    match Profile::from_env() {
+        Ok(p) => {
+            if let Some(src) = &p.source {
+                tracing::info!(rank, entries = p.entries.len(), "selector profile {}", src.display());
+            }
+            p
+        }
+        Err(e) => {
+            tracing::warn!(rank, "{e}; the selector uses its built-in thresholds");
+            Profile::default()
+        }
+    }
+}
+
+/// The ranks of `peers` grouped by host, in rank order.
+fn group_by_host(peers: &[PeerInfo]) -> Vec<Vec<Rank>> {
+    let mut hosts: Vec<(&str, Vec<Rank>)> = Vec::new();
+    for p in peers {
+        match hosts.iter_mut().find(|(id, _)| *id == p.host_id) {
+            Some((_, ranks)) => ranks.push(p.rank),
+            None => hosts.push((&p.host_id, vec![p.rank])),
+        }
+    }
+    hosts.into_iter().map(|(_, ranks)| ranks).collect()
 }
 
 /// The rank number the environment claims, for errors before bootstrap.

@@ -1,5 +1,7 @@
-//! Collective communication for distributed training: AllReduce, AllToAll and
-//! Barrier between processes, over the transports of the `transport` crate.
+//! Collective communication for distributed training: AllReduce, AllToAll,
+//! ReduceScatter, AllGather, Broadcast, Reduce and Barrier between processes,
+//! blocking ([`Communicator`]) or not ([`AsyncCommunicator`]), over the
+//! transports of the `transport` crate.
 //!
 //! ```no_run
 //! use collectives::{Communicator, ReduceOp};
@@ -30,6 +32,7 @@ mod mesh;
 mod nonblocking;
 pub mod reduce;
 mod schedule;
+pub mod tuning;
 
 pub use bootstrap::Bootstrap;
 pub use communicator::{Buffers, Communicator};

@@ -146,6 +146,18 @@ impl Schedule {
         self.ops.len()
     }
 
+    /// The peers this schedule sends to, ascending (for tests of algorithms).
+    #[cfg(test)]
+    pub fn send_peers(&self) -> Vec<Rank> {
+        let mut p: Vec<Rank> = (self.ops.iter())
+            .filter(|o| matches!(o.kind, Kind::Send))
+            .map(|o| o.peer)
+            .collect();
+        p.sort();
+        p.dedup();
+        p
+    }
+
     /// Empties the schedule, keeping its memory for the next call.
     pub fn clear(&mut self) {
         self.ops.clear();

@@ -7,6 +7,7 @@ mod binomial;
 mod chain;
 mod direct;
 mod dissemination;
+mod hierarchical;
 mod pairwise;
 mod ring;
 mod tree;
@@ -16,7 +17,7 @@ use crate::Collective;
 
 /// What an algorithm needs to know about the call.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Layout {
+pub(crate) struct Layout<'a> {
     pub rank: usize,
     pub size: usize,
     /// Elements in each rank's buffer.
@@ -28,9 +29,11 @@ pub(crate) struct Layout {
     pub in_place: bool,
     /// The root of broadcast and reduce (0 otherwise).
     pub root: usize,
+    /// The ranks of each host, in rank order.
+    pub hosts: &'a [Vec<usize>],
 }
 
-impl Layout {
+impl Layout<'_> {
     /// The buffer a rank's own contribution is read from.
     pub fn input(&self) -> Buf {
         if self.in_place {
@@ -102,6 +105,7 @@ pub static ALGORITHMS: &[Algorithm] = &[
     ring::ALLREDUCE,
     direct::ALLREDUCE,
     tree::ALLREDUCE,
+    hierarchical::ALLREDUCE,
     pairwise::ALLTOALL,
     dissemination::BARRIER,
     ring::REDUCE_SCATTER,
@@ -115,6 +119,8 @@ pub static ALGORITHMS: &[Algorithm] = &[
 /// AllReduce sizes up to this many bytes go direct (one step) rather than
 /// around the ring: the crossover measured on one host, 2 ranks and 3-7.
 pub const DIRECT_MAX_BYTES: [usize; 2] = [8 << 10, 32 << 10];
+/// From this size on, AllReduces over several hosts go hierarchical.
+pub const HIERARCHICAL_MIN_BYTES: usize = 1 << 20;
 /// From this many ranks on, AllReduces up to [`TREE_MAX_BYTES`] take the
 /// double binary tree: at 8 ranks it beat direct from 1 KiB and the ring up
 /// to 1 MiB (shared memory, 2 cores); at 4 it never beat both.
@@ -131,9 +137,14 @@ pub(crate) fn select(
     collective: Collective,
     bytes: usize,
     size: usize,
+    hosts: &[Vec<usize>],
 ) -> (&'static Algorithm, &'static str) {
     use Collective::*;
     match collective {
+        AllReduce if hierarchical::applies(hosts) && bytes >= HIERARCHICAL_MIN_BYTES => (
+            &hierarchical::ALLREDUCE,
+            "several hosts of equal rank counts: slices cross the network in parallel rings",
+        ),
         AllReduce if size >= TREE_MIN_RANKS && bytes <= TREE_MAX_BYTES => (
             &tree::ALLREDUCE,
             "many ranks, latency-bound size: 2 log2(n) hops beat the ring's 2(n-1) and direct's n-1 copies",

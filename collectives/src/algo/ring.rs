@@ -1,14 +1,15 @@
 //! Ring algorithms: AllReduce as reduce-scatter then all-gather around the
 //! ring, and those two phases on their own as ReduceScatter and AllGather.
 //! Each step's block is cut into chunks, so a chunk moves on as soon as it
-//! is reduced.
+//! is reduced. The phases run on any [`Ring`] (a group of ranks and a byte
+//! range), which is how the hierarchical AllReduce reuses them.
 //!
-//! With n ranks the buffer is cut into n blocks. In reduce-scatter step t,
-//! rank r sends block r+d-1-t to r+1 and receives block r+d-2-t from r-1,
-//! reducing it into its own; after n-1 steps rank r holds block r+d fully
+//! With n ranks the range is cut into n blocks. In reduce-scatter step t,
+//! member m sends block m+d-1-t to m+1 and receives block m+d-2-t from m-1,
+//! reducing it into its own; after n-1 steps member m holds block m+d fully
 //! reduced (d = 1 for AllReduce, 0 for ReduceScatter, whose rank r must end
 //! with block r). All-gather circulates the owned blocks for n-1 more steps.
-//! Each rank sends (n-1)/n of the buffer per phase: bandwidth-optimal.
+//! Each rank sends (n-1)/n of the range per phase: bandwidth-optimal.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Buf, OpId, Schedule, Span};
@@ -38,19 +39,93 @@ pub(super) const ALLGATHER: Algorithm = Algorithm {
     build: all_gather,
 };
 
+/// A ring: `members` in ring order (this rank at `me`), over the byte range
+/// `[offset, offset + len)` of the buffers.
+pub(super) struct Ring {
+    pub members: Vec<usize>,
+    pub me: usize,
+    pub offset: usize,
+    pub len: usize,
+}
+
+impl Ring {
+    /// Every rank of the call, over the whole buffer.
+    pub fn world(l: &Layout) -> Self {
+        Ring {
+            members: (0..l.size).collect(),
+            me: l.rank,
+            offset: 0,
+            len: l.count * l.elem,
+        }
+    }
+
+    fn n(&self) -> usize {
+        self.members.len()
+    }
+
+    fn next(&self) -> usize {
+        self.members[(self.me + 1) % self.n()]
+    }
+
+    fn prev(&self) -> usize {
+        self.members[(self.me + self.n() - 1) % self.n()]
+    }
+
+    /// Block `i` (mod n) of the range, cut as evenly as elements allow.
+    pub fn block(&self, l: &Layout, i: usize) -> (usize, usize) {
+        let (n, i) = (self.n(), i % self.n());
+        let count = self.len / l.elem;
+        let (base, extra) = (count / n, count % n);
+        let start = i * base + i.min(extra);
+        let len = base + usize::from(i < extra);
+        (self.offset + start * l.elem, len * l.elem)
+    }
+}
+
+/// Where a reduce-scatter phase reads this rank's own contribution.
+pub(super) struct Contribution {
+    /// `Buf::Input` (out of place), or the output that already holds it.
+    pub buf: Buf,
+    /// Done before the output may be read or reduced into.
+    pub after: Option<OpId>,
+}
+
+impl Contribution {
+    pub fn input(l: &Layout) -> Self {
+        Contribution {
+            buf: l.input(),
+            after: None,
+        }
+    }
+}
+
+/// What a phase leaves for the next to wait on.
+pub(super) struct Phase {
+    /// The final reductions (reduce-scatter), by chunk of the owned block.
+    pub finals: Vec<OpId>,
+    /// The sends, by step and chunk: a later receive into the same block
+    /// must wait for them.
+    pub sends: Vec<Vec<OpId>>,
+    /// The last receive: receives from one peer retire in order, so once it
+    /// is done every receive of the phase is.
+    pub last_recv: Option<OpId>,
+}
+
 fn allreduce(l: &Layout, s: &mut Schedule) {
     if l.size == 1 {
         return copy_all(l, s);
     }
-    let (finals, rs_sends) = reduce_scatter_phase(l, s, 1);
-    all_gather_phase(l, s, 1, Source::Reduced(&finals), Some(&rs_sends));
+    let ring = Ring::world(l);
+    let rs = reduce_scatter_phase(l, s, &ring, 1, Contribution::input(l), true);
+    all_gather_phase(l, s, &ring, 1, Source::Reduced(&rs.finals), Some(&rs.sends));
 }
 
 fn reduce_scatter(l: &Layout, s: &mut Schedule) {
     if l.size == 1 {
         return copy_all(l, s);
     }
-    reduce_scatter_phase(l, s, 0);
+    let ring = Ring::world(l);
+    reduce_scatter_phase(l, s, &ring, 0, Contribution::input(l), true);
 }
 
 fn all_gather(l: &Layout, s: &mut Schedule) {
@@ -62,69 +137,86 @@ fn all_gather(l: &Layout, s: &mut Schedule) {
         let (offset, len) = l.block(l.rank);
         s.copy(own, span(Buf::Output, (offset, len)));
     }
-    all_gather_phase(l, s, 0, Source::Own(own), None);
+    all_gather_phase(l, s, &Ring::world(l), 0, Source::Own(own, None), None);
 }
 
-/// Reduce-scatter steps leaving block r+d reduced in the output. Returns the
-/// final reductions by chunk, and the sends by step and chunk.
-fn reduce_scatter_phase(l: &Layout, s: &mut Schedule, d: usize) -> (Vec<OpId>, Vec<Vec<OpId>>) {
-    let (n, r) = (l.size, l.rank);
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+/// Reduce-scatter steps leaving block me+d reduced in the output (divided
+/// for avg if `finalize`).
+pub(super) fn reduce_scatter_phase(
+    l: &Layout,
+    s: &mut Schedule,
+    ring: &Ring,
+    d: usize,
+    mine: Contribution,
+    finalize: bool,
+) -> Phase {
+    let (n, m) = (ring.n(), ring.me);
     // Receives of the previous step, by chunk: the sends of this step wait for them.
     let mut prev_recvs: Vec<OpId> = Vec::new();
-    let mut sends_by_step = Vec::with_capacity(n - 1);
+    let mut phase = Phase {
+        finals: Vec::new(),
+        sends: Vec::with_capacity(n - 1),
+        last_recv: None,
+    };
+    let with_input = mine.buf == Buf::Input;
     for t in 0..n - 1 {
-        let send_block = (r + d + 2 * n - 1 - t) % n;
-        let recv_block = (r + d + 2 * n - 2 - t) % n;
-        let from = if t == 0 { l.input() } else { Buf::Output };
+        let send_block = ring.block(l, m + d + 2 * n - 1 - t);
+        let recv_block = ring.block(l, m + d + 2 * n - 2 - t);
+        let from = if t == 0 { mine.buf } else { Buf::Output };
         let sends: Vec<OpId> = l
-            .chunks(from, l.block(send_block))
+            .chunks(from, send_block)
             .enumerate()
-            .map(|(k, c)| s.send(next, c, (t > 0).then(|| prev_recvs[k])))
+            .map(|(k, c)| {
+                let after = if t == 0 { mine.after } else { Some(prev_recvs[k]) };
+                s.send(ring.next(), c, after)
+            })
             .collect();
         prev_recvs = l
-            .chunks(Buf::Output, l.block(recv_block))
+            .chunks(Buf::Output, recv_block)
             .map(|c| {
-                let with = (!l.in_place).then_some(Span {
+                let with = with_input.then_some(Span {
                     buf: Buf::Input,
                     ..c
                 });
-                s.recv_reduce(prev, c, with, t == n - 2, None)
+                s.recv_reduce(ring.prev(), c, with, finalize && t == n - 2, mine.after)
             })
             .collect();
-        sends_by_step.push(sends);
+        phase.last_recv = prev_recvs.last().copied().or(phase.last_recv);
+        phase.sends.push(sends);
     }
-    (prev_recvs, sends_by_step)
+    phase.finals = prev_recvs;
+    phase
 }
 
 /// Where the all-gather's first send reads the block it owns.
-enum Source<'a> {
+pub(super) enum Source<'a> {
     /// The output, once these reductions (by chunk) are done.
     Reduced(&'a [OpId]),
-    /// This span, ready now.
-    Own(Span),
+    /// This span, once this op is done.
+    Own(Span, Option<OpId>),
 }
 
-/// All-gather steps circulating the block r+d each rank owns. `overwrites`:
-/// the reduce-scatter sends, by step and chunk, that read a block before
-/// this phase may receive into it.
-fn all_gather_phase(
+/// All-gather steps circulating the block me+d each member owns.
+/// `overwrites`: sends, by step and chunk, that read a block before this
+/// phase may receive into it (a reduce-scatter phase's, same `d`).
+pub(super) fn all_gather_phase(
     l: &Layout,
     s: &mut Schedule,
+    ring: &Ring,
     d: usize,
     first: Source,
     overwrites: Option<&[Vec<OpId>]>,
-) {
-    let (n, r) = (l.size, l.rank);
-    let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
+) -> Phase {
+    let (n, m) = (ring.n(), ring.me);
     let mut prev_recvs: Vec<OpId> = Vec::new();
+    let mut last_recv = None;
     for t in 0..n - 1 {
-        let send_block = l.block((r + d + n - t) % n);
-        let recv_block = (r + d + 2 * n - 1 - t) % n;
+        let send_block = ring.block(l, m + d + n - t);
+        let recv_block = ring.block(l, m + d + 2 * n - 1 - t);
         let sends: Vec<(Span, Option<OpId>)> = match (t, &first) {
-            (0, Source::Own(own)) => l
+            (0, Source::Own(own, after)) => l
                 .chunks(own.buf, (own.offset, own.len))
-                .map(|c| (c, None))
+                .map(|c| (c, *after))
                 .collect(),
             (0, Source::Reduced(done)) => l
                 .chunks(Buf::Output, send_block)
@@ -138,13 +230,19 @@ fn all_gather_phase(
                 .collect(),
         };
         for (c, after) in sends {
-            s.send(next, c, after);
+            s.send(ring.next(), c, after);
         }
         prev_recvs = l
-            .chunks(Buf::Output, l.block(recv_block))
+            .chunks(Buf::Output, recv_block)
             .enumerate()
-            .map(|(k, c)| s.recv(prev, c, overwrites.map(|o| o[t][k])))
+            .map(|(k, c)| s.recv(ring.prev(), c, overwrites.map(|o| o[t][k])))
             .collect();
+        last_recv = prev_recvs.last().copied().or(last_recv);
+    }
+    Phase {
+        finals: Vec::new(),
+        sends: Vec::new(),
+        last_recv,
     }
 }
 

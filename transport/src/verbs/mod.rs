@@ -9,8 +9,8 @@
 //! One RC queue pair per peer, set up over a TCP side channel (the TCP
 //! transport's greeting: job token, refusal of strangers) that stays open
 //! for aborts and as a death detector. Data moves by a receiver-driven
-//! rendezvous, as NCCL's IB transport does: `irecv` sends the sender an
-//! inline "clear to send" (address, rkey, length, tag, sequence), the sender
+//! rendezvous, as NCCL's IB transport does: `irecv` sends the sender a
+//! 40-byte "clear to send" (address, rkey, length, tag, sequence), the sender
 //! checks tag and length against its send and RDMA-WRITEs the bytes straight
 //! into the posted buffer with an immediate that completes the receive. No
 //! copy on either side; the clear-to-send messages are the credits, so a
