@@ -47,17 +47,30 @@ for t in tcp shm; do
     $bench $c -n 4 -b 8 -e 64M -f 16 -c 1 --transport $t
   done
 done
-step "checked sweeps, 3 and 8 ranks, every algorithm forced"
-for n in 3 8; do
-  for a in ring direct tree; do $bench allreduce -n $n -b 8 -e 16M -f 16 -c 1 --algo $a; done
-  for a in chain binomial; do
-    $bench broadcast -n $n -b 8 -e 16M -f 16 -c 1 --algo $a --root $((n - 1))
-    $bench reduce -n $n -b 8 -e 16M -f 16 -c 1 --algo $a --root 1
+step "checked sweeps of every collective and algorithm, 2, 3, 4 and 8 ranks, TCP and shared memory"
+for n in 2 3 4 8; do
+  for t in shm tcp; do
+    for c in allreduce alltoall reducescatter allgather broadcast reduce; do
+      for a in $($bench algorithms | awk -v c=$c '$1 == c {print $2}'); do
+        # (hierarchical needs several hosts: tests/hosts.rs runs it on two)
+        [ "$a" = hierarchical ] && continue
+        $bench $c -n $n -b 8 -e 4M -f 32 -c 1 --transport $t --algo $a --root $((n - 1)) >target/sweep.log ||
+          { cat target/sweep.log; exit 1; }
+        grep -q "Out of bounds values : 0 OK" target/sweep.log || { cat target/sweep.log; exit 1; }
+        echo "ok: $c $a, $n ranks, $t"
+      done
+    done
   done
 done
 
 step "the main job: 8 ranks x 1 GiB"
 $bench allreduce -n 8 --size 1G
+
+step "collbench tune writes a profile; the selector then follows it"
+$bench tune -n 4 --out target/tune-profile.tsv
+COLL_PROFILE=target/tune-profile.tsv COLL_DEBUG=info $bench allreduce -n 4 -b 8 -e 16M -f 16 -c 1 2>&1 |
+  tee target/tune-run.log | grep -v "INFO"
+grep -q "measured profile" target/tune-run.log
 
 step "non-blocking AllReduces overlapping a backward pass (examples/data_parallel.rs)"
 target/release/examples/data_parallel --steps 5

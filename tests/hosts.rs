@@ -55,7 +55,10 @@ fn torchrun_style(hosts: &Hosts, per_host: usize, port: u16, cmd: &str) -> Vec<R
 #[test]
 fn ranks_on_two_hosts_use_tcp_between_and_shm_within() {
     let Some(hosts) = Hosts::new(2) else { return };
-    let cmd = format!("env COLL_DEBUG=info {} allreduce -b 8 -e 8M -f 32 -c 1", collbench());
+    let cmd = format!(
+        "env COLL_DEBUG=info {} allreduce -b 8 -e 8M -f 32 -c 1",
+        collbench()
+    );
     let runs = torchrun_style(&hosts, 2, 29611, &cmd);
     for r in &runs[1..] {
         assert!(r.ok, "{}", r.stderr);
@@ -92,7 +95,12 @@ fn hierarchical_allreduce_across_two_hosts() {
         "env COLL_ALGO=allreduce=hierarchical COLL_CHUNK=64K COLL_TIMEOUT=60 {worker} matrix"
     );
     for (rank, r) in torchrun_style(&hosts, 2, 29612, &cmd).iter().enumerate() {
-        assert!(r.ok && r.stdout.contains(&format!("ok {rank}")), "rank {rank}:\n{}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.ok && r.stdout.contains(&format!("ok {rank}")),
+            "rank {rank}:\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
     }
     let cmd = format!(
         "env COLL_DEBUG=info {} allreduce -b 8 -e 64M -f 8 -c 1 --algo hierarchical",
@@ -103,7 +111,11 @@ fn hierarchical_allreduce_across_two_hosts() {
         assert!(r.ok, "{}", r.stderr);
     }
     assert_clean(&runs[0], "hierarchical, 2 hosts x 4 ranks");
-    assert!(runs[0].stdout.contains("algorithm hierarchical"), "{}", runs[0].stdout);
+    assert!(
+        runs[0].stdout.contains("algorithm hierarchical"),
+        "{}",
+        runs[0].stdout
+    );
 }
 
 fn mpirun_across(launcher_args: &[String], bench: &str, hosts: &Hosts, what: &str) {

@@ -60,6 +60,10 @@ pub enum Command {
     Reduce(BenchArgs),
     /// List the registered algorithms (the names --algo accepts)
     Algorithms,
+    /// Measure every algorithm of allreduce, broadcast and reduce in this
+    /// setting (ranks, ranks per host, transport) and write the selector's
+    /// profile: collbench tune -n 8 [--out FILE]
+    Tune(TuneArgs),
 }
 
 #[derive(Args, Debug, Clone)]
@@ -141,6 +145,22 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file ('-': stdout, the table then goes to stderr)
     #[arg(long)]
     pub json: Option<PathBuf>,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct TuneArgs {
+    /// The profile to write (lines of other settings are kept) [default:
+    /// ~/.cache/collectives/profile.tsv, which every communicator reads;
+    /// COLL_PROFILE names another]
+    #[arg(long)]
+    pub out: Option<PathBuf>,
+
+    /// Sizes to measure, comma-separated [default: 8,1K,32K,256K,1M,4M,16M]
+    #[arg(long = "sizes", value_delimiter = ',', value_parser = size)]
+    pub sizes: Option<Vec<u64>>,
+
+    #[command(flatten)]
+    pub bench: BenchArgs,
 }
 
 fn size(s: &str) -> Result<u64, String> {

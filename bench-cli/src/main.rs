@@ -6,6 +6,7 @@ mod bench;
 mod cli;
 mod data;
 mod report;
+mod tune;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -26,6 +27,16 @@ const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let (collective, args) = match cli.command {
+        Command::Tune(t) => {
+            collectives::log::init();
+            let result = match t.bench.nranks {
+                Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
+                    launch_local(n, &t.bench)
+                }
+                _ => tune_rank(&t).map(|()| 0),
+            };
+            return exit(result);
+        }
         Command::Allreduce(a) => (Collective::AllReduce, a),
         Command::Alltoall(a) => (Collective::AllToAll, a),
         Command::Reducescatter(a) => (Collective::ReduceScatter, a),
@@ -46,6 +57,10 @@ fn main() -> ExitCode {
         }
         _ => run_rank(collective, &args).map(|clean| if clean { 0 } else { WRONG_VALUES }),
     };
+    exit(result)
+}
+
+fn exit(result: Result<u8, String>) -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code),
         Err(e) => {
@@ -120,6 +135,21 @@ fn config(collective: Collective, args: &BenchArgs) -> Result<Config, String> {
     }
     c.validate()?;
     Ok(c)
+}
+
+/// This process is one rank of `collbench tune`.
+fn tune_rank(t: &cli::TuneArgs) -> Result<(), String> {
+    let sizes = t.sizes.clone().unwrap_or_else(|| {
+        ["8", "1K", "32K", "256K", "1M", "4M", "16M"]
+            .iter()
+            .map(|s| collectives::parse_size(s).expect("valid"))
+            .collect()
+    });
+    let boot = Bootstrap::from_env()?;
+    // The algorithms are forced one by one; the profile must not decide.
+    let mut comm = Communicator::init(boot, config(Collective::Barrier, &t.bench)?)
+        .map_err(|e| e.to_string())?;
+    tune::run(&mut comm, &t.bench, &sizes, t.out.clone())
 }
 
 /// This process is one rank: join the job, sweep, report (rank 0).

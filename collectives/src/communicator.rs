@@ -54,8 +54,12 @@ pub struct Communicator {
     reduce_scatter_buf: Vec<u64>,
     /// The executor's reusable memory.
     workspace: Workspace,
-    /// Measured algorithm costs the selector consults (may be empty).
+    /// Measured algorithm costs the selector consults: the profile's lines
+    /// for this communicator's setting (may be none).
     profile: Profile,
+    /// The selector's past choices by (collective, bytes), and why: calls
+    /// repeat their sizes, and a choice costs microseconds.
+    choices: Vec<(Collective, usize, &'static Algorithm, Arc<str>)>,
     /// How long an idle wait spins before yielding (zero when this host's
     /// ranks outnumber its cores).
     spin: Duration,
@@ -139,9 +143,15 @@ impl Communicator {
             "communicator ready"
         );
         let hosts = group_by_host(&table.peers);
-        let profile = load_profile(rank);
+        let setting = Setting {
+            ranks: boot.size,
+            per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
+            transport: mesh::summary(&mesh.via),
+        };
+        let profile = load_profile(rank).only(&setting);
         Ok(Communicator {
             profile,
+            choices: Vec::new(),
             rank,
             size: boot.size,
             hosts,
@@ -219,6 +229,7 @@ impl Communicator {
     /// chooses again), as `COLL_ALGO` does. Every rank must do the same.
     pub fn force_algo(&mut self, collective: Collective, name: Option<&str>) {
         let c = collective.name();
+        self.choices.clear();
         self.config.algo.retain(|(k, _)| k != c);
         if let Some(name) = name {
             self.config.algo.push((c.to_string(), name.to_lowercase()));
@@ -232,6 +243,29 @@ impl Communicator {
             per_host: self.hosts.iter().map(Vec::len).max().unwrap_or(1),
             transport: self.transport_summary(),
         }
+    }
+
+    /// [`choose`](Self::choose), remembered.
+    fn choose_cached(
+        &mut self,
+        collective: Collective,
+        bytes: usize,
+    ) -> Result<(&'static Algorithm, Arc<str>)> {
+        let seen = self
+            .choices
+            .iter()
+            .find(|c| c.0 == collective && c.1 == bytes);
+        if let Some((_, _, algo, why)) = seen {
+            return Ok((algo, Arc::clone(why)));
+        }
+        let (algo, why) = self.choose(collective, bytes)?;
+        if self.choices.len() == 256 {
+            self.choices.clear();
+        }
+        let why: Arc<str> = why.into();
+        self.choices
+            .push((collective, bytes, algo, Arc::clone(&why)));
+        Ok((algo, why))
     }
 
     /// The algorithm for a call, and why: forced by configuration, predicted
@@ -248,14 +282,30 @@ impl Communicator {
                     ),
                 });
         }
-        let measured = self.profile.best(collective, &self.setting(), bytes);
-        if let Some((entry, us)) = measured {
-            if let Some(a) = algo::find(collective, &entry.algo) {
-                return Ok((a, format!("fastest in the measured profile: {us:.1} us predicted at {bytes} B")));
-            }
+        let (built_in, why) = algo::select(collective, bytes, self.size, &self.hosts);
+        let setting = self.setting();
+        let Some((best, us)) = self.profile.best(collective, &setting, bytes) else {
+            return Ok((built_in, why.to_string()));
+        };
+        // The profile overrides the built-in choice only for a predicted gain
+        // above measurement noise (one tuning run on a busy host is not exact).
+        let built_in_us = self
+            .profile
+            .predict(collective, built_in.name, &setting, bytes)
+            .unwrap_or(f64::INFINITY);
+        match algo::find(collective, &best.algo) {
+            Some(a) if us * PROFILE_MARGIN < built_in_us => Ok((
+                a,
+                format!(
+                    "fastest in the measured profile: {us:.1} us predicted at {bytes} B, {} {built_in_us:.1} us",
+                    built_in.name
+                ),
+            )),
+            _ => Ok((
+                built_in,
+                format!("{why} (the measured profile agrees within {:.0}%)", (PROFILE_MARGIN - 1.0) * 100.0),
+            )),
         }
-        let (a, why) = algo::select(collective, bytes, self.size, &self.hosts);
-        Ok((a, why.to_string()))
     }
 
     /// `recv[i] = op over ranks of send[i]`, on every rank.
@@ -467,7 +517,7 @@ impl Communicator {
             if desc.count == 0 && collective != Collective::Barrier {
                 return Ok(());
             }
-            let (algo, why) = self.choose(collective, larger)?;
+            let (algo, why) = self.choose_cached(collective, larger)?;
             self.announce(collective, algo, &why);
             self.execute_into(desc, algo, input, output)
         });
@@ -685,13 +735,22 @@ fn root_cause(e: &Error) -> String {
     }
 }
 
+/// How much faster the profile must predict another algorithm to be than the
+/// built-in choice to take its place.
+const PROFILE_MARGIN: f64 = 1.10;
+
 /// The selector's profile; a broken one is reported and left out (a
 /// missing or stale profile only costs speed).
 fn load_profile(rank: Rank) -> Profile {
     match Profile::from_env() {
         Ok(p) => {
             if let Some(src) = &p.source {
-                tracing::info!(rank, entries = p.entries.len(), "selector profile {}", src.display());
+                tracing::info!(
+                    rank,
+                    entries = p.entries.len(),
+                    "selector profile {}",
+                    src.display()
+                );
             }
             p
         }

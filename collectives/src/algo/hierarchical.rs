@@ -40,7 +40,10 @@ fn build(l: &Layout, s: &mut Schedule) {
         .position(|h| h.contains(&l.rank))
         .expect("every rank is on a host");
     let local = &l.hosts[host];
-    let i = local.iter().position(|&r| r == l.rank).expect("on its host");
+    let i = local
+        .iter()
+        .position(|&r| r == l.rank)
+        .expect("on its host");
     let width = local.len();
     let within = Ring {
         members: local.clone(),
@@ -69,7 +72,14 @@ fn build(l: &Layout, s: &mut Schedule) {
     };
     let before = mine.after;
     let rs2 = ring::reduce_scatter_phase(l, s, &across, 1, mine, true);
-    let ag2 = ring::all_gather_phase(l, s, &across, 1, Source::Reduced(&rs2.finals), Some(&rs2.sends));
+    let ag2 = ring::all_gather_phase(
+        l,
+        s,
+        &across,
+        1,
+        Source::Reduced(&rs2.finals),
+        Some(&rs2.sends),
+    );
     // (A slice too small to give every host a block may have no receives.)
     let reduced = ag2.last_recv.or(rs2.last_recv).or(before);
     // Phase 3: the slices around the host.

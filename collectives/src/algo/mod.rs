@@ -117,15 +117,18 @@ pub static ALGORITHMS: &[Algorithm] = &[
 ];
 
 /// AllReduce sizes up to this many bytes go direct (one step) rather than
-/// around the ring: the crossover measured on one host, 2 ranks and 3-7.
-pub const DIRECT_MAX_BYTES: [usize; 2] = [8 << 10, 32 << 10];
-/// From this size on, AllReduces over several hosts go hierarchical.
-pub const HIERARCHICAL_MIN_BYTES: usize = 1 << 20;
+/// around the ring or the trees: the crossovers measured on one host with
+/// 2 ranks, 3-7, and 8 or more (where the tree takes over from 2 KiB).
+pub const DIRECT_MAX_BYTES: [usize; 3] = [8 << 10, 32 << 10, 2 << 10];
+/// From this size on, AllReduces over several hosts go hierarchical (2
+/// namespace hosts x 4 ranks: the tree led up to 256 KiB, hierarchical from
+/// 512 KiB, 1.2-1.6x the ring above).
+pub const HIERARCHICAL_MIN_BYTES: usize = 512 << 10;
 /// From this many ranks on, AllReduces up to [`TREE_MAX_BYTES`] take the
-/// double binary tree: at 8 ranks it beat direct from 1 KiB and the ring up
-/// to 1 MiB (shared memory, 2 cores); at 4 it never beat both.
+/// double binary tree: at 8 ranks it beat direct from 32 KiB and the ring up
+/// to 256 KiB (shared memory, 2 cores); at 4 it never beat both.
 pub const TREE_MIN_RANKS: usize = 8;
-pub const TREE_MAX_BYTES: usize = 1 << 20;
+pub const TREE_MAX_BYTES: usize = 512 << 10;
 /// Broadcast and Reduce up to this size take the binomial tree (log2 n
 /// rounds), above it the chain (pipelined, bandwidth-optimal): the binomial
 /// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
@@ -145,19 +148,28 @@ pub(crate) fn select(
             &hierarchical::ALLREDUCE,
             "several hosts of equal rank counts: slices cross the network in parallel rings",
         ),
+        AllReduce if size > 1 && bytes <= DIRECT_MAX_BYTES[direct_class(size)] => (
+            &direct::ALLREDUCE,
+            "small message: one step beats the ring's 2(n-1) and the trees' 2 log2(n)",
+        ),
         AllReduce if size >= TREE_MIN_RANKS && bytes <= TREE_MAX_BYTES => (
             &tree::ALLREDUCE,
-            "many ranks, latency-bound size: 2 log2(n) hops beat the ring's 2(n-1) and direct's n-1 copies",
-        ),
-        AllReduce if size > 1 && bytes <= DIRECT_MAX_BYTES[usize::from(size > 2)] => (
-            &direct::ALLREDUCE,
-            "small message: one step beats the ring's 2(n-1)",
+            "many ranks, latency-bound size: 2 log2(n) hops beat the ring's 2(n-1)",
         ),
         Broadcast | Reduce if bytes <= BINOMIAL_MAX_BYTES => (
             find(collective, "binomial").expect("registered"),
             "latency-bound size: log2(n) rounds beat the chain's n-1 hops",
         ),
         _ => (default_for(collective), "the bandwidth-optimal default"),
+    }
+}
+
+/// Which [`DIRECT_MAX_BYTES`] applies to `size` ranks.
+fn direct_class(size: usize) -> usize {
+    match size {
+        ..=2 => 0,
+        s if s < TREE_MIN_RANKS => 1,
+        _ => 2,
     }
 }
 

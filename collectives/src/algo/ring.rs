@@ -167,7 +167,11 @@ pub(super) fn reduce_scatter_phase(
             .chunks(from, send_block)
             .enumerate()
             .map(|(k, c)| {
-                let after = if t == 0 { mine.after } else { Some(prev_recvs[k]) };
+                let after = if t == 0 {
+                    mine.after
+                } else {
+                    Some(prev_recvs[k])
+                };
                 s.send(ring.next(), c, after)
             })
             .collect();
