@@ -38,6 +38,16 @@ if [ "${1:-}" = --in-vm ]; then
   exit 0
 fi
 
+# The build needs cmake and libclang (.ci/run installs them; so does this, as root).
+if ! command -v cmake >/dev/null || ! dpkg -s libclang-dev >/dev/null 2>&1; then
+  [ "$(id -u)" = 0 ] || { echo "verbs.sh: the verbs build needs cmake and libclang-dev" >&2; exit 1; }
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -q cmake libclang-dev >/dev/null 2>&1 || {
+    apt-get update -q >/dev/null
+    apt-get install -y -q cmake libclang-dev >/dev/null
+  }
+fi
+
 features=transport/verbs,collbench/verbs,integration-tests/verbs
 build=(--release --features "$features" -p transport -p collbench -p integration-tests
   --target-dir target/verbs)
