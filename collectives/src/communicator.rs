@@ -25,6 +25,16 @@ pub enum Buffers<'a> {
     },
 }
 
+impl<'a> Buffers<'a> {
+    /// Out-of-place byte views of typed buffers.
+    pub fn typed<T: Element>(send: &'a [T], recv: &'a mut [T]) -> Self {
+        Buffers::OutOfPlace {
+            send: bytemuck::cast_slice(send),
+            recv: bytemuck::cast_slice_mut(recv),
+        }
+    }
+}
+
 /// One rank's view of a job: its peers, its connections, its settings.
 /// Collective calls must be made by every rank, in the same order, with
 /// matching counts, datatypes and reductions; a mismatch is reported, not
@@ -315,10 +325,7 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let bufs = Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        };
+        let bufs = Buffers::typed(send, recv);
         self.all_reduce_bytes(bufs, T::DTYPE, op)
     }
 
@@ -344,10 +351,7 @@ impl Communicator {
     /// Block `j` of `send` goes to rank `j`; block `j` of `recv` comes from
     /// rank `j`. Lengths must be equal and divisible by the rank count.
     pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let bufs = Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        };
+        let bufs = Buffers::typed(send, recv);
         self.all_to_all_bytes(bufs, T::DTYPE)
     }
 
@@ -369,10 +373,7 @@ impl Communicator {
         recv: &mut [T],
         op: ReduceOp,
     ) -> Result<()> {
-        let bufs = Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        };
+        let bufs = Buffers::typed(send, recv);
         self.run(Collective::ReduceScatter, bufs, T::DTYPE, Some(op), None)
     }
 
@@ -390,10 +391,7 @@ impl Communicator {
 
     /// Block `j` of `recv` (each `send.len()` elements) is rank `j`'s `send`.
     pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let bufs = Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        };
+        let bufs = Buffers::typed(send, recv);
         self.run(Collective::AllGather, bufs, T::DTYPE, None, None)
     }
 
@@ -419,10 +417,7 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        let bufs = Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        };
+        let bufs = Buffers::typed(send, recv);
         self.run(Collective::Reduce, bufs, T::DTYPE, Some(op), Some(root))
     }
 

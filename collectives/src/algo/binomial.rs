@@ -7,7 +7,7 @@
 //! children's chunks in a fixed order.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, OpId, Schedule, Span};
+use crate::schedule::{Buf, Schedule, Span};
 use crate::Collective;
 
 pub(super) const BROADCAST: Algorithm = Algorithm {
@@ -82,21 +82,7 @@ fn reduce(l: &Layout, s: &mut Schedule) {
     // Smallest subtree first: its partial sum arrives first.
     children.reverse();
     for c in l.chunks(Buf::Output, l.all()) {
-        let mine = Span {
-            buf: l.input(),
-            ..c
-        };
-        let mut last: Option<OpId> = None;
-        for (i, &child) in children.iter().enumerate() {
-            let with = (i == 0 && !l.in_place).then_some(mine);
-            let finalize = parent.is_none() && i == children.len() - 1;
-            last = Some(s.recv_reduce(child, c, with, finalize, last));
-        }
-        if let Some(p) = parent {
-            // A leaf sends its own data; an inner rank its partial result.
-            let up = if last.is_some() { c } else { mine };
-            s.send(p, up, last);
-        }
+        super::reduce_up(l, s, c, parent, &children);
     }
 }
 

@@ -12,7 +12,7 @@ mod pairwise;
 mod ring;
 mod tree;
 
-use crate::schedule::{Buf, Schedule, Span};
+use crate::schedule::{Buf, OpId, Schedule, Span};
 use crate::Collective;
 
 /// What an algorithm needs to know about the call.
@@ -85,6 +85,32 @@ impl Layout<'_> {
             len: chunk.min(len - k * chunk),
         })
     }
+}
+
+/// One chunk `c` up a tree: the children's partial results reduced into
+/// ours in `children` order (the first with this rank's input), then sent
+/// to the parent, if any. Returns the last reduction (`None` for a leaf) and
+/// the send.
+pub(crate) fn reduce_up(
+    l: &Layout,
+    s: &mut Schedule,
+    c: Span,
+    parent: Option<usize>,
+    children: &[usize],
+) -> (Option<OpId>, Option<OpId>) {
+    let mine = Span {
+        buf: l.input(),
+        ..c
+    };
+    let mut reduced: Option<OpId> = None;
+    for (i, &child) in children.iter().enumerate() {
+        let with = (i == 0 && !l.in_place).then_some(mine);
+        let finalize = parent.is_none() && i == children.len() - 1;
+        reduced = Some(s.recv_reduce(child, c, with, finalize, reduced));
+    }
+    // A leaf sends its own data; an inner rank its partial result.
+    let up = if reduced.is_some() { c } else { mine };
+    (reduced, parent.map(|p| s.send(p, up, reduced)))
 }
 
 /// A registered algorithm.

@@ -10,7 +10,7 @@
 //! tree is a leaf in the other and every rank's links carry about the same.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, OpId, Schedule, Span};
+use crate::schedule::{Buf, Schedule, Span};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {
@@ -91,24 +91,11 @@ fn build(l: &Layout, s: &mut Schedule) {
 /// One chunk through one tree: reduce the children's partial results into
 /// ours, pass it up, take the final result from above, pass it down.
 fn chunk(l: &Layout, s: &mut Schedule, c: Span, parent: Option<usize>, children: &[usize]) {
-    let mine = Span {
-        buf: l.input(),
-        ..c
-    };
-    let mut reduced: Option<OpId> = None;
-    for (i, &child) in children.iter().enumerate() {
-        let with = (i == 0 && !l.in_place).then_some(mine);
-        let finalize = parent.is_none() && i == children.len() - 1;
-        reduced = Some(s.recv_reduce(child, c, with, finalize, reduced));
-    }
-    let have = match parent {
-        Some(p) => {
-            let up = if reduced.is_some() { c } else { mine };
-            let sent = s.send(p, up, reduced);
-            // The result overwrites what was sent up: only once it has left.
-            Some(s.recv(p, c, Some(sent)))
-        }
-        None => reduced,
+    let (reduced, sent) = super::reduce_up(l, s, c, parent, children);
+    // The result overwrites what was sent up: only once it has left.
+    let have = match (parent, sent) {
+        (Some(p), Some(sent)) => Some(s.recv(p, c, Some(sent))),
+        _ => reduced,
     };
     for &child in children {
         s.send(child, c, have);
