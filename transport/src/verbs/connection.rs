@@ -36,6 +36,9 @@ const SQ_DEPTH: u32 = 512;
 /// receives ever in flight (the executor's window is at most 64).
 const CTS_SLOTS: usize = 128;
 const CQ_DEPTH: u32 = 1024;
+/// Messages up to this many bytes (clear-to-sends, tiny payloads) are sent
+/// inline when the device allows.
+const INLINE_MAX: u32 = 128;
 /// Work request ids carry their kind in the top byte.
 const WR_DATA: u64 = 1 << 56;
 const WR_CTS: u64 = 2 << 56;
@@ -111,6 +114,8 @@ pub struct VerbsConnection {
     /// Clear-to-send messages posted, and completed (both in order).
     cts_posted: u64,
     cts_done: u64,
+    /// Largest message sent inline (0: the device has no inline sends).
+    inline_max: usize,
     port: Arc<Port>,
     peer: Rank,
     /// The TCP side channel (aborts, liveness) and one epoll fd over it and
@@ -158,18 +163,26 @@ impl VerbsConnection {
             // kept reporting entries once the queue was drained.
             .build()
             .map_err(|e| verb("ibv_create_cq")(&e))?;
-        let mut qp = pd
-            .create_qp_builder()
-            .setup_send_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
-            .setup_recv_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
-            .setup_max_send_wr(SQ_DEPTH)
-            .setup_max_recv_wr(RECV_SLOTS as u32)
-            .setup_max_send_sge(1)
-            .setup_max_recv_sge(1)
-            // The classic ibv_post_send: rxe failed work requests posted
-            // through the extended (ibv_wr_*) API with LOC_QP_OP_ERR.
-            .build()
-            .map_err(|e| verb("ibv_create_qp")(&e))?;
+        let create = |inline: u32| {
+            pd.create_qp_builder()
+                .setup_send_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
+                .setup_recv_cq(GenericCompletionQueue::from(Arc::clone(&cq)))
+                .setup_max_send_wr(SQ_DEPTH)
+                .setup_max_recv_wr(RECV_SLOTS as u32)
+                .setup_max_send_sge(1)
+                .setup_max_recv_sge(1)
+                .setup_max_inline_data(inline)
+                // The classic ibv_post_send: rxe failed work requests posted
+                // through the extended (ibv_wr_*) API with LOC_QP_OP_ERR.
+                .build()
+        };
+        // Inline sends where the device has them: the bytes travel in the
+        // work request, sparing the adapter a DMA read of the buffer.
+        let (mut qp, inline_max) = match create(INLINE_MAX) {
+            Ok(qp) => (qp, INLINE_MAX as usize),
+            Err(_) => (create(0).map_err(|e| verb("ibv_create_qp")(&e))?, 0),
+        };
+        tracing::debug!(peer, inline_max, "queue pair created");
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Init)
             .setup_pkey_index(0)
@@ -210,6 +223,7 @@ impl VerbsConnection {
             cts_slots,
             cts_posted: 0,
             cts_done: 0,
+            inline_max,
             port,
             peer,
             side: None,
@@ -338,6 +352,14 @@ impl VerbsConnection {
         }
     }
 
+    /// Signaled, and inline for a message that fits.
+    fn send_flags(&self, len: usize) -> WorkRequestFlags {
+        match len > 0 && len <= self.inline_max {
+            true => WorkRequestFlags::Signaled | WorkRequestFlags::Inline,
+            false => WorkRequestFlags::Signaled,
+        }
+    }
+
     /// Sends a grant for a posted receive, from the next send slot.
     fn send_cts(&mut self, cts: Cts) -> Result<()> {
         if self.cts_posted - self.cts_done == CTS_SLOTS as u64 {
@@ -349,10 +371,9 @@ impl VerbsConnection {
         let words = &mut self.cts_slots[slot * SLOT_BYTES / 8..][..CTS_LEN / 8];
         words.copy_from_slice(&bytemuck_words(&cts.encode()));
         let (lkey, addr) = (self.cts_mr.lkey(), words.as_ptr() as u64);
+        let flags = self.send_flags(CTS_LEN);
         let mut guard = self.qp.start_post_send();
-        let wr = guard
-            .construct_wr(WR_CTS, WorkRequestFlags::Signaled)
-            .setup_send();
+        let wr = guard.construct_wr(WR_CTS, flags).setup_send();
         // SAFETY: the slot is registered and not reused until this send completes.
         unsafe { wr.setup_sge(lkey, addr, CTS_LEN as u32) };
         guard
@@ -379,9 +400,10 @@ impl VerbsConnection {
                 });
             }
             let (addr, len, lkey) = (out.addr, out.len, out.lkey);
+            let flags = self.send_flags(len as usize);
             let mut guard = self.qp.start_post_send();
             let wr = guard
-                .construct_wr(WR_DATA, WorkRequestFlags::Signaled)
+                .construct_wr(WR_DATA, flags)
                 .setup_write_imm(grant.rkey, grant.addr, grant.seq);
             // SAFETY: addr..addr+len is registered (lkey) and kept valid by the isend contract.
             unsafe {
