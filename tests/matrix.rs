@@ -135,6 +135,13 @@ mod verbs {
     }
 
     #[test]
+    fn two_ranks_verbs_three_queue_pairs_per_peer() {
+        if has_rdma_device() {
+            matrix_with(2, "64K", "verbs", &[("COLL_IB_QPS_PER_PEER", "3")]);
+        }
+    }
+
+    #[test]
     fn four_ranks_verbs_direct() {
         if has_rdma_device() {
             matrix_with(4, "64K", "verbs", &[DIRECT]);

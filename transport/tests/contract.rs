@@ -301,6 +301,34 @@ mod verbs {
         Box::new(VerbsTransport::open(LOOPBACK).expect("an RDMA device"))
     }
 
+    /// Messages spread over 3 queue pairs, whose completions interleave.
+    fn verbs_three_qps() -> Box<dyn Transport> {
+        Box::new(
+            VerbsTransport::open(LOOPBACK)
+                .expect("an RDMA device")
+                .with_qps_per_peer(3),
+        )
+    }
+
+    #[test]
+    fn three_qps_messages_arrive_whole_and_in_order() {
+        if available() {
+            super::messages_arrive_whole_and_in_order(verbs_three_qps)
+        }
+    }
+    #[test]
+    fn three_qps_a_different_length_or_tag_is_a_mismatch() {
+        if available() {
+            super::a_different_length_or_tag_is_a_mismatch(verbs_three_qps)
+        }
+    }
+    #[test]
+    fn three_qps_a_dead_peer_is_closed_not_a_hang() {
+        if available() {
+            super::a_dead_peer_is_closed_not_a_hang(verbs_three_qps)
+        }
+    }
+
     fn available() -> bool {
         match VerbsTransport::open(LOOPBACK) {
             Ok(_) => true,

@@ -1,5 +1,11 @@
-//! One peer over an RC queue pair: the rendezvous (clear-to-send, then
+//! One peer over RC queue pairs: the rendezvous (clear-to-send, then
 //! RDMA WRITE_WITH_IMM into the posted buffer) and its completions.
+//!
+//! With several queue pairs per peer (`COLL_IB_QPS_PER_PEER`), message k
+//! (its grant and its data) goes over queue pair k mod n: RoCE v2 gives each
+//! queue pair its own UDP source port, so ECMP spreads them over paths.
+//! Queue pairs complete independently, so grants, writes and receives are
+//! matched by sequence number, not by arrival order.
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
@@ -79,17 +85,20 @@ impl Cts {
     }
 }
 
-/// A posted send: what to write where the next grant says.
+/// A posted send: what to write where its grant says.
 struct Outgoing {
     addr: u64,
     len: u64,
     lkey: u32,
     tag: Tag,
+    /// Its write completed (possibly before an earlier one's, on another queue pair).
+    done: bool,
 }
 
 /// A posted receive whose grant is out.
 struct Incoming {
     seq: u32,
+    done: bool,
 }
 
 /// One completion, copied out of the completion queue.
@@ -104,7 +113,7 @@ struct Completion {
 pub struct VerbsConnection {
     // Field order is drop order: the queue pair before its completion queue,
     // the receive slots' registration before their memory.
-    qp: BasicQueuePair,
+    qps: Vec<BasicQueuePair>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     slots_mr: Arc<MemoryRegion>,
@@ -113,7 +122,8 @@ pub struct VerbsConnection {
     cts_slots: Vec<u64>,
     /// Clear-to-send messages posted, and completed (both in order).
     cts_posted: u64,
-    cts_done: u64,
+    /// Send slots whose clear-to-send is in flight.
+    cts_busy: Vec<bool>,
     /// Largest message sent inline (0: the device has no inline sends).
     inline_max: usize,
     port: Arc<Port>,
@@ -126,7 +136,10 @@ pub struct VerbsConnection {
     sends: VecDeque<Outgoing>,
     /// How many of `sends` have their write posted.
     written: usize,
-    grants: VecDeque<Cts>,
+    /// The sequence number of `sends[0]` (sends completed so far).
+    send_base: u32,
+    /// Grants not yet used, in any order.
+    grants: Vec<Cts>,
     recvs: VecDeque<Incoming>,
     next_seq: u32,
     posted: [u64; 2],
@@ -142,8 +155,13 @@ pub struct VerbsConnection {
 unsafe impl Send for VerbsConnection {}
 
 impl VerbsConnection {
-    /// A queue pair in INIT with every receive slot posted.
-    pub(crate) fn new(port: Arc<Port>, pd: &Arc<ProtectionDomain>, peer: Rank) -> Result<Self> {
+    /// `nqps` queue pairs in INIT with every receive slot posted.
+    pub(crate) fn new(
+        port: Arc<Port>,
+        pd: &Arc<ProtectionDomain>,
+        peer: Rank,
+        nqps: usize,
+    ) -> Result<Self> {
         let verb = |what: &'static str| {
             move |e: &dyn std::fmt::Display| {
                 Error::Invalid(format!("{what} (peer rank {peer}): {e}"))
@@ -178,20 +196,30 @@ impl VerbsConnection {
         };
         // Inline sends where the device has them: the bytes travel in the
         // work request, sparing the adapter a DMA read of the buffer.
-        let (mut qp, inline_max) = match create(INLINE_MAX) {
-            Ok(qp) => (qp, INLINE_MAX as usize),
-            Err(_) => (create(0).map_err(|e| verb("ibv_create_qp")(&e))?, 0),
-        };
-        tracing::debug!(peer, inline_max, "queue pair created");
-        let mut attr = QueuePairAttribute::new();
-        attr.setup_state(QueuePairState::Init)
-            .setup_pkey_index(0)
-            .setup_port(port.port)
-            .setup_access_flags(
-                AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-            );
-        qp.modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
+        let mut inline_max = INLINE_MAX as usize;
+        let mut qps = Vec::with_capacity(nqps);
+        for _ in 0..nqps {
+            let mut qp = match create(inline_max as u32) {
+                Ok(qp) => qp,
+                Err(_) if inline_max > 0 => {
+                    inline_max = 0;
+                    create(0).map_err(|e| verb("ibv_create_qp")(&e))?
+                }
+                Err(e) => return Err(verb("ibv_create_qp")(&e)),
+            };
+            let mut attr = QueuePairAttribute::new();
+            attr.setup_state(QueuePairState::Init)
+                .setup_pkey_index(0)
+                .setup_port(port.port)
+                .setup_access_flags(
+                    AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
+                );
+            qp.modify(&attr)
+                .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
+            qps.push(qp);
+        }
+        // (One queue pair without inline sends makes the rest go without.)
+        tracing::debug!(peer, nqps, inline_max, "queue pairs created");
         let mut slots = vec![0u64; RECV_SLOTS * SLOT_BYTES / 8];
         // SAFETY: `slots` lives as long as the connection and is dropped
         // after its registration (field order).
@@ -214,7 +242,7 @@ impl VerbsConnection {
         }
         .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
-            qp,
+            qps,
             cq,
             channel,
             slots_mr,
@@ -222,7 +250,7 @@ impl VerbsConnection {
             cts_mr,
             cts_slots,
             cts_posted: 0,
-            cts_done: 0,
+            cts_busy: vec![false; CTS_SLOTS],
             inline_max,
             port,
             peer,
@@ -231,7 +259,8 @@ impl VerbsConnection {
             epoll: None,
             sends: VecDeque::new(),
             written: 0,
-            grants: VecDeque::new(),
+            send_base: 0,
+            grants: Vec::new(),
             recvs: VecDeque::new(),
             next_seq: 0,
             posted: [0; 2],
@@ -246,14 +275,14 @@ impl VerbsConnection {
         Ok(conn)
     }
 
-    pub(crate) fn qp_number(&self) -> u32 {
-        self.qp.qp_number()
+    pub(crate) fn qp_numbers(&self) -> Vec<u32> {
+        self.qps.iter().map(|qp| qp.qp_number()).collect()
     }
 
-    /// INIT → RTR → RTS towards the peer's queue pair.
+    /// INIT → RTR → RTS, queue pair i towards the peer's queue pair i.
     pub(crate) fn connect(
         &mut self,
-        peer_qpn: u32,
+        peer_qpns: &[u32],
         my_psn: u32,
         peer_psn: u32,
         peer_gid: Gid,
@@ -272,6 +301,30 @@ impl VerbsConnection {
             2048 => Mtu::Mtu2048,
             _ => Mtu::Mtu4096,
         };
+        for (qp, &peer_qpn) in self.qps.iter_mut().zip(peer_qpns) {
+            Self::connect_one(
+                qp,
+                self.port.as_ref(),
+                peer_qpn,
+                my_psn,
+                peer_psn,
+                &peer_gid,
+                mtu,
+            )
+            .map_err(|(what, e)| verb(what)(&e))?;
+        }
+        Ok(())
+    }
+
+    fn connect_one(
+        qp: &mut BasicQueuePair,
+        port: &Port,
+        peer_qpn: u32,
+        my_psn: u32,
+        peer_psn: u32,
+        peer_gid: &Gid,
+        mtu: Mtu,
+    ) -> std::result::Result<(), (&'static str, String)> {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
             .setup_path_mtu(mtu)
@@ -281,15 +334,14 @@ impl VerbsConnection {
             .setup_min_rnr_timer(12);
         let mut ah = AddressHandleAttribute::new();
         ah.setup_dest_lid(0)
-            .setup_port(self.port.port)
+            .setup_port(port.port)
             .setup_service_level(0)
-            .setup_grh_src_gid_index(self.port.gid_index as u8)
-            .setup_grh_dest_gid(&peer_gid)
+            .setup_grh_src_gid_index(port.gid_index as u8)
+            .setup_grh_dest_gid(peer_gid)
             .setup_grh_hop_limit(64);
         attr.setup_address_vector(&ah);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp to RTR")(&e))?;
+        qp.modify(&attr)
+            .map_err(|e| ("ibv_modify_qp to RTR", e.to_string()))?;
         let mut attr = QueuePairAttribute::new();
         // timeout 14: 4.096 us x 2^14 = 67 ms per try; 7 tries, then the
         // completion fails with RETRY_EXC_ERR: a dead peer shows in ~0.5 s.
@@ -299,9 +351,8 @@ impl VerbsConnection {
             .setup_retry_cnt(7)
             .setup_rnr_retry(7)
             .setup_max_read_atomic(1);
-        self.qp
-            .modify(&attr)
-            .map_err(|e| verb("ibv_modify_qp to RTS")(&e))
+        qp.modify(&attr)
+            .map_err(|e| ("ibv_modify_qp to RTS", e.to_string()))
     }
 
     /// Keeps the side channel for aborts and liveness; one epoll fd waits on
@@ -326,16 +377,22 @@ impl VerbsConnection {
         self.slots.as_ptr() as u64 + (slot * SLOT_BYTES) as u64
     }
 
+    /// The queue pair that carries message `seq` (and receive slot `seq`).
+    fn qp_for(&self, seq: usize) -> usize {
+        seq % self.qps.len()
+    }
+
     fn post_slot(&mut self, slot: usize) -> Result<()> {
         let (lkey, addr) = (self.slots_mr.lkey(), self.slot_addr(slot));
-        let mut guard = self.qp.start_post_recv();
+        let q = self.qp_for(slot);
+        let mut guard = self.qps[q].start_post_recv();
         let wr = guard.construct_wr(WR_RECV | slot as u64);
         // SAFETY: the slot lies in the registered `slots`, which outlive the queue pair.
         unsafe { wr.setup_sge(lkey, addr, SLOT_BYTES as u32) };
         guard.post().map_err(|e| {
             self.verb_error(
                 "ibv_post_recv",
-                &format!("{e} (queue pair in state {:?})", self.qp.state()),
+                &format!("{e} (queue pair in state {:?})", self.qps[q].state()),
             )
         })
     }
@@ -362,32 +419,44 @@ impl VerbsConnection {
 
     /// Sends a grant for a posted receive, from the next send slot.
     fn send_cts(&mut self, cts: Cts) -> Result<()> {
-        if self.cts_posted - self.cts_done == CTS_SLOTS as u64 {
+        let slot = (self.cts_posted % CTS_SLOTS as u64) as usize;
+        if self.cts_busy[slot] {
             return Err(
                 self.verb_error("clear-to-send", &"more receives in flight than send slots")
             );
         }
-        let slot = (self.cts_posted % CTS_SLOTS as u64) as usize;
         let words = &mut self.cts_slots[slot * SLOT_BYTES / 8..][..CTS_LEN / 8];
         words.copy_from_slice(&bytemuck_words(&cts.encode()));
         let (lkey, addr) = (self.cts_mr.lkey(), words.as_ptr() as u64);
         let flags = self.send_flags(CTS_LEN);
-        let mut guard = self.qp.start_post_send();
-        let wr = guard.construct_wr(WR_CTS, flags).setup_send();
+        let q = self.qp_for(cts.seq as usize);
+        let mut guard = self.qps[q].start_post_send();
+        let wr = guard.construct_wr(WR_CTS | slot as u64, flags).setup_send();
         // SAFETY: the slot is registered and not reused until this send completes.
         unsafe { wr.setup_sge(lkey, addr, CTS_LEN as u32) };
         guard
             .post()
             .map_err(|e| self.verb_error("ibv_post_send (clear-to-send)", &e))?;
         self.cts_posted += 1;
+        self.cts_busy[slot] = true;
         Ok(())
+    }
+
+    /// Whether the next send's grant is here.
+    fn can_write(&self) -> bool {
+        let seq = self.send_base.wrapping_add(self.written as u32);
+        self.written < self.sends.len() && self.grants.iter().any(|g| g.seq == seq)
     }
 
     /// Writes every send that has its grant, checking that both ends agree.
     fn post_writes(&mut self) -> Result<bool> {
         let mut moved = false;
-        while self.written < self.sends.len() && !self.grants.is_empty() {
-            let grant = self.grants.pop_front().expect("checked");
+        while self.written < self.sends.len() {
+            let seq = self.send_base.wrapping_add(self.written as u32);
+            let Some(at) = self.grants.iter().position(|g| g.seq == seq) else {
+                break;
+            };
+            let grant = self.grants.swap_remove(at);
             let out = &self.sends[self.written];
             if grant.tag != out.tag || grant.len != out.len {
                 // The receiver's grant is the message it expects.
@@ -401,9 +470,10 @@ impl VerbsConnection {
             }
             let (addr, len, lkey) = (out.addr, out.len, out.lkey);
             let flags = self.send_flags(len as usize);
-            let mut guard = self.qp.start_post_send();
+            let q = self.qp_for(seq as usize);
+            let mut guard = self.qps[q].start_post_send();
             let wr = guard
-                .construct_wr(WR_DATA, flags)
+                .construct_wr(WR_DATA | seq as u64, flags)
                 .setup_write_imm(grant.rkey, grant.addr, grant.seq);
             // SAFETY: addr..addr+len is registered (lkey) and kept valid by the isend contract.
             unsafe {
@@ -466,31 +536,47 @@ impl VerbsConnection {
             return Err(self.failed_completion(c));
         }
         match c.wr_id & KIND {
-            // Writes complete in order on an RC queue pair.
+            // Writes complete in order per queue pair, not across them:
+            // requests complete in order, so the front waits for its own.
             WR_DATA => {
-                self.sends.pop_front();
-                self.written -= 1;
-                self.done[Direction::Send as usize] += 1;
+                let at = (c.wr_id as u32).wrapping_sub(self.send_base) as usize;
+                match self.sends.get_mut(at) {
+                    Some(out) if at < self.written => out.done = true,
+                    _ => {
+                        return Err(self
+                            .verb_error("RDMA WRITE_WITH_IMM", &"completion of no posted write"))
+                    }
+                }
+                while self.sends.front().is_some_and(|o| o.done) {
+                    self.sends.pop_front();
+                    self.written -= 1;
+                    self.send_base = self.send_base.wrapping_add(1);
+                    self.done[Direction::Send as usize] += 1;
+                }
             }
-            WR_CTS => self.cts_done += 1,
+            WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
             _ => {
                 let slot = (c.wr_id & 0xffff) as usize;
                 if c.opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
-                    match self.recvs.front() {
-                        Some(inc) if inc.seq == c.imm => {}
+                    let first = self.recvs.front().map_or(0, |r| r.seq);
+                    let at = c.imm.wrapping_sub(first) as usize;
+                    match self.recvs.get_mut(at) {
+                        Some(inc) if inc.seq == c.imm => inc.done = true,
                         _ => {
                             return Err(self.verb_error(
                                 "RDMA WRITE_WITH_IMM",
-                                &format!("data for receive {} arrived out of order", c.imm),
+                                &format!("data for receive {} matches no posted receive", c.imm),
                             ))
                         }
                     }
-                    self.recvs.pop_front();
-                    self.done[Direction::Recv as usize] += 1;
+                    while self.recvs.front().is_some_and(|r| r.done) {
+                        self.recvs.pop_front();
+                        self.done[Direction::Recv as usize] += 1;
+                    }
                 } else {
                     let at = slot * SLOT_BYTES;
                     let bytes: &[u8] = &bytemuck_bytes(&self.slots)[at..at + CTS_LEN];
-                    self.grants.push_back(Cts::decode(bytes));
+                    self.grants.push(Cts::decode(bytes));
                 }
                 self.post_slot(slot)?;
             }
@@ -586,8 +672,10 @@ impl VerbsConnection {
     fn enter_error_state(&mut self) {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Error);
-        if let Err(e) = self.qp.modify(&attr) {
-            tracing::debug!(peer = self.peer, "ibv_modify_qp to ERR: {e}");
+        for qp in &mut self.qps {
+            if let Err(e) = qp.modify(&attr) {
+                tracing::debug!(peer = self.peer, "ibv_modify_qp to ERR: {e}");
+            }
         }
     }
 }
@@ -632,6 +720,7 @@ impl Connection for VerbsConnection {
             len: len as u64,
             lkey,
             tag,
+            done: false,
         });
         Ok(self.post(Direction::Send))
     }
@@ -658,7 +747,7 @@ impl Connection for VerbsConnection {
             self.failed = Some(e.clone());
             return Err(e);
         }
-        self.recvs.push_back(Incoming { seq });
+        self.recvs.push_back(Incoming { seq, done: false });
         Ok(self.post(Direction::Recv))
     }
 
@@ -703,7 +792,7 @@ impl Connection for VerbsConnection {
         // SAFETY: our own CQ.
         unsafe { rdma_mummy_sys::ibv_req_notify_cq(self.cq.cq().as_ptr(), 0) };
         match self.poll_cq() {
-            Ok(false) if self.written == self.sends.len() || self.grants.is_empty() => {}
+            Ok(false) if !self.can_write() => {}
             Ok(_) => return Wake::Now,
             Err(e) => {
                 self.failed = Some(e);

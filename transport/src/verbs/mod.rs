@@ -6,7 +6,8 @@
 //! port at 1. Where sideway has no safe API (completion events), its sys
 //! crate is called directly.
 //!
-//! One RC queue pair per peer, set up over a TCP side channel (the TCP
+//! One RC queue pair per peer (or several, `COLL_IB_QPS_PER_PEER`, to
+//! spread flows over ECMP paths), set up over a TCP side channel (the TCP
 //! transport's greeting: job token, refusal of strangers) that stays open
 //! for aborts and as a death detector. Data moves by a receiver-driven
 //! rendezvous, as NCCL's IB transport does: `irecv` sends the sender a
@@ -43,12 +44,15 @@ pub struct VerbsTransport {
     port: Arc<device::Port>,
     pd: Arc<ProtectionDomain>,
     bind_ip: IpAddr,
+    /// Queue pairs per peer (`COLL_IB_QPS_PER_PEER`, default 1).
+    qps: usize,
 }
 
 impl VerbsTransport {
     /// Opens the device whose RoCE v2 GID matches `bind_ip` (see `device`);
     /// an error that says how to choose another transport where there is none.
     pub fn open(bind_ip: IpAddr) -> Result<Self> {
+        let qps = qps_per_peer()?;
         let port = device::open(bind_ip)?;
         let pd = port
             .context
@@ -56,13 +60,21 @@ impl VerbsTransport {
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
         tracing::info!(
             device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
-            mtu = device::mtu_bytes(port.mtu), "verbs transport ready"
+            mtu = device::mtu_bytes(port.mtu), qps_per_peer = qps, "verbs transport ready"
         );
         Ok(VerbsTransport {
             port: Arc::new(port),
             pd,
             bind_ip,
+            qps,
         })
+    }
+
+    /// Uses `n` queue pairs per peer (1 to [`MAX_QPS_PER_PEER`]) instead of
+    /// `COLL_IB_QPS_PER_PEER`'s number; every rank must use the same.
+    pub fn with_qps_per_peer(mut self, n: usize) -> Self {
+        self.qps = n.clamp(1, MAX_QPS_PER_PEER);
+        self
     }
 
     /// `device:port`, for logs.
@@ -82,6 +94,7 @@ impl Transport for VerbsTransport {
             side,
             port: self.port.clone(),
             pd: self.pd.clone(),
+            qps: self.qps,
         }))
     }
 
@@ -92,7 +105,7 @@ impl Transport for VerbsTransport {
         deadline: Instant,
     ) -> Result<Box<dyn Connection>> {
         let side = tcp::connect_greeted(address, hello, TcpOptions::default(), deadline)?;
-        establish(side, hello.to, &self.port, &self.pd, deadline)
+        establish(side, hello.to, &self.port, &self.pd, self.qps, deadline)
     }
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
@@ -118,6 +131,7 @@ pub struct VerbsListener {
     side: TcpListener,
     port: Arc<device::Port>,
     pd: Arc<ProtectionDomain>,
+    qps: usize,
 }
 
 impl Listener for VerbsListener {
@@ -132,38 +146,64 @@ impl Listener for VerbsListener {
         deadline: Instant,
     ) -> Result<(Rank, Box<dyn Connection>)> {
         let (peer, side) = self.side.accept_greeted(token, me, deadline)?;
-        Ok((peer, establish(side, peer, &self.port, &self.pd, deadline)?))
+        Ok((
+            peer,
+            establish(side, peer, &self.port, &self.pd, self.qps, deadline)?,
+        ))
     }
 }
 
-/// What each side tells the other to connect its queue pair.
+/// What each side tells the other to connect its queue pairs.
 struct QpInfo {
-    qpn: u32,
+    qpns: Vec<u32>,
     psn: u32,
     gid: [u8; 16],
     mtu: u32,
 }
 
-const QP_INFO_LEN: usize = 28;
+/// Queue pairs per peer at most (`COLL_IB_QPS_PER_PEER`).
+pub const MAX_QPS_PER_PEER: usize = 8;
+const QP_INFO_LEN: usize = 28 + 4 * MAX_QPS_PER_PEER;
 
 impl QpInfo {
     fn encode(&self) -> [u8; QP_INFO_LEN] {
         let mut b = [0u8; QP_INFO_LEN];
-        b[0..4].copy_from_slice(&self.qpn.to_le_bytes());
+        b[0..4].copy_from_slice(&(self.qpns.len() as u32).to_le_bytes());
         b[4..8].copy_from_slice(&self.psn.to_le_bytes());
         b[8..24].copy_from_slice(&self.gid);
         b[24..28].copy_from_slice(&self.mtu.to_le_bytes());
+        for (i, q) in self.qpns.iter().enumerate() {
+            b[28 + 4 * i..32 + 4 * i].copy_from_slice(&q.to_le_bytes());
+        }
         b
     }
 
     fn decode(b: &[u8; QP_INFO_LEN]) -> Self {
         let word = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+        let n = (word(0) as usize).min(MAX_QPS_PER_PEER);
         QpInfo {
-            qpn: word(0),
+            qpns: (0..n).map(|i| word(28 + 4 * i)).collect(),
             psn: word(4),
             gid: b[8..24].try_into().unwrap(),
             mtu: word(24),
         }
+    }
+}
+
+/// `COLL_IB_QPS_PER_PEER`: queue pairs per peer, 1 to [`MAX_QPS_PER_PEER`].
+pub fn qps_per_peer() -> Result<usize> {
+    match std::env::var("COLL_IB_QPS_PER_PEER") {
+        Err(_) => Ok(1),
+        Ok(v) => v
+            .trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|n| (1..=MAX_QPS_PER_PEER).contains(n))
+            .ok_or_else(|| {
+                Error::Invalid(format!(
+                    "COLL_IB_QPS_PER_PEER='{v}' is not a number from 1 to {MAX_QPS_PER_PEER}"
+                ))
+            }),
     }
 }
 
@@ -174,6 +214,7 @@ fn establish(
     peer: Rank,
     port: &Arc<device::Port>,
     pd: &Arc<ProtectionDomain>,
+    qps: usize,
     deadline: Instant,
 ) -> Result<Box<dyn Connection>> {
     let io = |what: &'static str| move |e: std::io::Error| Error::io(Some(peer), what, &e);
@@ -186,9 +227,9 @@ fn establish(
     // (with timeouts).
     side.set_nonblocking(false)
         .map_err(io("exchange queue pair numbers"))?;
-    let mut conn = VerbsConnection::new(port.clone(), pd, peer)?;
+    let mut conn = VerbsConnection::new(port.clone(), pd, peer, qps)?;
     let mine = QpInfo {
-        qpn: conn.qp_number(),
+        qpns: conn.qp_numbers(),
         psn: random_psn(),
         gid: port.gid.raw,
         mtu: device::mtu_bytes(port.mtu),
@@ -203,9 +244,16 @@ fn establish(
     side.read_exact(&mut theirs)
         .map_err(io("exchange queue pair numbers"))?;
     let theirs = QpInfo::decode(&theirs);
+    if theirs.qpns.len() != mine.qpns.len() {
+        return Err(Error::Invalid(format!(
+            "COLL_IB_QPS_PER_PEER differs: {} here, {} at peer rank {peer}; set it alike on every rank",
+            mine.qpns.len(),
+            theirs.qpns.len()
+        )));
+    }
     let mtu = mine.mtu.min(theirs.mtu);
     conn.connect(
-        theirs.qpn,
+        &theirs.qpns,
         mine.psn,
         theirs.psn,
         Gid { raw: theirs.gid },
@@ -218,8 +266,8 @@ fn establish(
         .map_err(io("wait for the peer's readiness"))?;
     tracing::debug!(
         peer,
-        qpn = mine.qpn,
-        peer_qpn = theirs.qpn,
+        qpns = ?mine.qpns,
+        peer_qpns = ?theirs.qpns,
         mtu,
         "queue pair connected"
     );
