@@ -8,25 +8,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use integration_tests::{run, Hosts, Run};
+use integration_tests::{assert_clean, run, Hosts, Run};
 
 fn collbench() -> String {
-    let p = Path::new(env!("CARGO_BIN_EXE_coll-worker")).with_file_name("collbench");
-    assert!(
-        p.exists(),
-        "{} is missing: build the workspace first",
-        p.display()
-    );
-    p.to_string_lossy().into_owned()
-}
-
-fn assert_clean(r: &Run, what: &str) {
-    assert!(r.ok, "{what} failed:\n{}\n{}", r.stdout, r.stderr);
-    assert!(
-        r.stdout.contains("# Out of bounds values : 0 OK"),
-        "{what}:\n{}",
-        r.stdout
-    );
+    integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench")
 }
 
 /// Runs `cmd` as `per_host` ranks on each host, torchrun-style (RANK,

@@ -15,7 +15,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
-use integration_tests::run;
+use integration_tests::{assert_clean, run, sibling, Run};
 
 /// Open MPI refuses root and oversubscription unless told.
 const OMPI_ENV: [(&str, &str); 3] = [
@@ -65,6 +65,16 @@ fn mpirun(
     run(Path::new(launcher), &all, &env, Duration::from_secs(600))
 }
 
+/// A clean checked sweep by `n` ranks that the launcher `source` started.
+fn assert_sweep(r: &Run, what: &str, n: usize, source: &str) {
+    assert_clean(r, what);
+    assert!(
+        r.stdout.contains(&format!("{n} ranks ({source})")),
+        "{what}:\n{}",
+        r.stdout
+    );
+}
+
 fn matrix_under(launcher_name: &str) {
     let Some(l) = launcher(launcher_name) else {
         return;
@@ -97,14 +107,8 @@ fn sweeps_under(launcher_name: &str, source: &str) {
     let Some(l) = launcher(launcher_name) else {
         return;
     };
-    let collbench = Path::new(env!("CARGO_BIN_EXE_coll-worker")).with_file_name("collbench");
-    if !collbench.exists() {
-        panic!(
-            "{} is missing: build the workspace first (cargo build --release)",
-            collbench.display()
-        );
-    }
-    let collbench = collbench.to_str().unwrap();
+    let collbench = sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench");
+    let collbench = collbench.as_str();
     for n in [2, 3, 4] {
         for coll in ["allreduce", "alltoall"] {
             let r = mpirun(
@@ -114,21 +118,7 @@ fn sweeps_under(launcher_name: &str, source: &str) {
                 &[coll, "-b", "8", "-e", "4M", "-f", "16", "-c", "1"],
                 &[],
             );
-            assert!(
-                r.ok,
-                "{l} -n {n} collbench {coll} failed:\n{}\n{}",
-                r.stdout, r.stderr
-            );
-            assert!(
-                r.stdout.contains(&format!("{n} ranks ({source})")),
-                "{}",
-                r.stdout
-            );
-            assert!(
-                r.stdout.contains("# Out of bounds values : 0 OK"),
-                "{}",
-                r.stdout
-            );
+            assert_sweep(&r, &format!("{l} -n {n} collbench {coll}"), n, source);
         }
     }
 }
@@ -182,21 +172,7 @@ fn mpi_feature(own: &str, build_var: &str, other: &str, source: &str, lib: &str)
             &["allreduce", "-b", "8", "-e", "1M", "-f", "64", "-c", "1"],
             &[],
         );
-        assert!(
-            r.ok,
-            "{own} -n {n} {bin} failed:\n{}\n{}",
-            r.stdout, r.stderr
-        );
-        assert!(
-            r.stdout.contains(&format!("{n} ranks ({source})")),
-            "{}",
-            r.stdout
-        );
-        assert!(
-            r.stdout.contains("# Out of bounds values : 0 OK"),
-            "{}",
-            r.stdout
-        );
+        assert_sweep(&r, &format!("{own} -n {n} {bin}"), n, source);
     }
     // Under the other MPI's launcher every process would be rank 0 of 1.
     let r = mpirun(other, 2, &bin, &["allreduce", "--size", "8"], &[]);

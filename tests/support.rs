@@ -15,6 +15,28 @@ pub struct Run {
     pub elapsed: Duration,
 }
 
+/// The binary `name` built beside `worker` (the coll-worker a test knows),
+/// as a string for command lines.
+pub fn sibling(worker: &str, name: &str) -> String {
+    let p = Path::new(worker).with_file_name(name);
+    assert!(
+        p.exists(),
+        "{} is missing: build the workspace first (cargo build --release)",
+        p.display()
+    );
+    p.to_string_lossy().into_owned()
+}
+
+/// A collbench run succeeded with no wrong value.
+pub fn assert_clean(r: &Run, what: &str) {
+    assert!(r.ok, "{what} failed:\n{}\n{}", r.stdout, r.stderr);
+    assert!(
+        r.stdout.contains("# Out of bounds values : 0 OK"),
+        "{what}:\n{}",
+        r.stdout
+    );
+}
+
 /// Runs `program args` with extra environment, waiting at most `limit`.
 pub fn run(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration) -> Run {
     let start = Instant::now();

@@ -134,7 +134,7 @@ impl<'a> Bench<'a> {
         Ok(match self.collective {
             Collective::AllToAll => data::check_alltoall(result, dtype, rank, n),
             Collective::AllGather => (0..n)
-                .map(|j| data::check_copy_of(&result[j * block..][..block], dtype, j))
+                .map(|j| data::check_copy_of(&result[j * block..][..block], dtype, j, 0))
                 .sum(),
             Collective::ReduceScatter => {
                 let mine = if in_place {
@@ -144,7 +144,7 @@ impl<'a> Bench<'a> {
                 };
                 data::check_reduced_from(mine, dtype, op, n, rank * block / elem)
             }
-            Collective::Broadcast => data::check_copy_of(result, dtype, self.args.root),
+            Collective::Broadcast => data::check_copy_of(result, dtype, self.args.root, 0),
             Collective::Reduce if rank != self.args.root => 0,
             _ => data::check_allreduce(result, dtype, op, n),
         })

@@ -241,25 +241,22 @@ pub fn check_reduced_from(
 }
 
 /// Elements of `buf` that are not rank `from`'s [`fill_alltoall`] pattern
-/// (an allgather block, a broadcast result).
-pub fn check_copy_of(buf: &[u8], dtype: DataType, from: usize) -> u64 {
+/// from element `first` on (an alltoall or allgather block, a broadcast
+/// result).
+pub fn check_copy_of(buf: &[u8], dtype: DataType, from: usize, first: usize) -> u64 {
     with_type!(dtype, T => {
         let want = table::<T>(|i| T::from_i64(input(ReduceOp::Sum, T::SIGNED, from, i)));
-        count_wrong::<T>(buf, &want, 0, 1)
+        count_wrong::<T>(buf, &want, first % PERIOD, 1)
     })
 }
 
-/// Elements of rank `rank`'s alltoall result over `n` ranks that are wrong.
+/// Elements of rank `rank`'s alltoall result over `n` ranks that are wrong:
+/// block j holds rank j's block `rank`.
 pub fn check_alltoall(buf: &[u8], dtype: DataType, rank: usize, n: usize) -> u64 {
     let block = buf.len() / n;
     let first = rank * block / dtype.size();
     (0..n)
-        .map(|from| {
-            with_type!(dtype, T => {
-                let want = table::<T>(|i| T::from_i64(input(ReduceOp::Sum, T::SIGNED, from, i)));
-                count_wrong::<T>(&buf[from * block..][..block], &want, first % PERIOD, n)
-            })
-        })
+        .map(|from| check_copy_of(&buf[from * block..][..block], dtype, from, first))
         .sum()
 }
 

@@ -62,10 +62,11 @@ pub fn run(
         println!("# median time (us) of {REPETITIONS} interleaved runs, out of and in place");
         println!("# collective    algorithm     {}", header.join(" "));
     }
+    let hosts = comm.hosts();
     for collective in tunable() {
         let names: Vec<&str> = algo::names(collective)
             .into_iter()
-            .filter(|n| *n != "hierarchical" || several_equal_hosts(comm))
+            .filter(|n| algo::fits(n, &hosts))
             .collect();
         // Repetitions interleaved across algorithms, so that a noisy moment
         // of the machine does not pick the winner; the median counts.
@@ -132,9 +133,4 @@ const REPETITIONS: usize = 3;
 fn median(samples: &mut [(usize, f64)]) -> (usize, f64) {
     samples.sort_by(|a, b| a.1.total_cmp(&b.1));
     samples[samples.len() / 2]
-}
-
-fn several_equal_hosts(comm: &Communicator) -> bool {
-    let hosts = comm.hosts();
-    hosts.len() > 1 && hosts.iter().all(|h| h.len() == hosts[0].len())
 }

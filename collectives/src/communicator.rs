@@ -153,14 +153,8 @@ impl Communicator {
             "communicator ready"
         );
         let hosts = group_by_host(&table.peers);
-        let setting = Setting {
-            ranks: boot.size,
-            per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
-            transport: mesh::summary(&mesh.via),
-        };
-        let profile = load_profile(rank).only(&setting);
-        Ok(Communicator {
-            profile,
+        let mut comm = Communicator {
+            profile: Profile::default(),
             choices: Vec::new(),
             rank,
             size: boot.size,
@@ -180,7 +174,10 @@ impl Communicator {
             reduce_scatter_buf: Vec::new(),
             workspace: Workspace::default(),
             spin,
-        })
+        };
+        // The profile's lines for this communicator's setting only.
+        comm.profile = load_profile(rank).only(&comm.setting());
+        Ok(comm)
     }
 
     pub fn rank(&self) -> Rank {

@@ -103,6 +103,35 @@ pub(crate) enum Direction {
     Recv = 1,
 }
 
+/// A connection's request bookkeeping, shared by every transport: requests
+/// of a direction are numbered as posted and complete in that order, so a
+/// count of completions per direction says which are done.
+#[derive(Debug, Default)]
+pub(crate) struct Requests {
+    posted: [u64; 2],
+    done: [u64; 2],
+}
+
+impl Requests {
+    /// A handle for the next request of `dir`.
+    pub fn post(&mut self, dir: Direction) -> Request {
+        self.posted[dir as usize] += 1;
+        Request {
+            dir,
+            seq: self.posted[dir as usize],
+        }
+    }
+
+    /// The oldest outstanding request of `dir` has completed.
+    pub fn complete(&mut self, dir: Direction) {
+        self.done[dir as usize] += 1;
+    }
+
+    pub fn is_done(&self, request: Request) -> bool {
+        self.done[request.dir as usize] >= request.seq
+    }
+}
+
 /// Which readiness a connection waits for before it can progress again.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Interest {

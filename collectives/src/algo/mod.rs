@@ -77,12 +77,17 @@ impl Layout<'_> {
     }
 
     /// `[offset, offset+len)` cut into chunk-sized spans of `buf`.
-    pub fn chunks(&self, buf: Buf, (offset, len): (usize, usize)) -> impl Iterator<Item = Span> {
-        let chunk = self.chunk;
-        (0..len.div_ceil(chunk)).map(move |k| Span {
+    pub fn chunks(&self, buf: Buf, range: (usize, usize)) -> impl Iterator<Item = Span> + '_ {
+        (0..range.1.div_ceil(self.chunk)).map(move |k| self.chunk_at(buf, range, k).unwrap())
+    }
+
+    /// Chunk `k` of [`chunks`](Self::chunks), if the range has one.
+    pub fn chunk_at(&self, buf: Buf, (offset, len): (usize, usize), k: usize) -> Option<Span> {
+        let at = k * self.chunk;
+        (at < len).then(|| Span {
             buf,
-            offset: offset + k * chunk,
-            len: chunk.min(len - k * chunk),
+            offset: offset + at,
+            len: self.chunk.min(len - at),
         })
     }
 }
@@ -197,6 +202,12 @@ fn direct_class(size: usize) -> usize {
         s if s < TREE_MIN_RANKS => 1,
         _ => 2,
     }
+}
+
+/// Whether the algorithm `name` runs as itself on these hosts (the
+/// hierarchical one needs several of equal rank counts, else it is the ring).
+pub fn fits(name: &str, hosts: &[Vec<usize>]) -> bool {
+    name != hierarchical::ALLREDUCE.name || hierarchical::applies(hosts)
 }
 
 /// The algorithm named `name` for `collective`.

@@ -54,9 +54,38 @@ pub(crate) fn parent(t: usize, r: usize, n: usize) -> Option<usize> {
     }
 }
 
-/// Children of rank `r` in tree `t`, in rank order.
-pub(crate) fn children(t: usize, r: usize, n: usize) -> Vec<usize> {
-    (0..n).filter(|&c| parent(t, c, n) == Some(r)).collect()
+/// Children of rank `r` in the in-order binary tree over `n` ranks, at most
+/// two, in rank order (`None` where there is none).
+fn children_in_order(r: usize, n: usize) -> [Option<usize>; 2] {
+    let i = r + 1;
+    let half = (i & i.wrapping_neg()) / 2;
+    if half == 0 {
+        return [None, None];
+    }
+    // The right child's place may lie past n: then its left descendants
+    // stand in for it, as `parent_in_order` skips such places going up.
+    let right = (i < n).then(|| {
+        let mut c = i + half;
+        while c > n {
+            c -= (c & c.wrapping_neg()) / 2;
+        }
+        c - 1
+    });
+    [Some(i - half - 1), right]
+}
+
+/// Children of rank `r` in tree `t`, in rank order: `kids[..count]`.
+pub(crate) fn children(t: usize, r: usize, n: usize) -> ([usize; 2], usize) {
+    let found = match (t, n % 2) {
+        (0, _) => children_in_order(r, n),
+        (_, 0) => children_in_order(n - 1 - r, n).map(|c| c.map(|c| n - 1 - c)),
+        _ => children_in_order((r + 1) % n, n).map(|c| c.map(|c| (c + n - 1) % n)),
+    };
+    match found {
+        [Some(a), Some(b)] => ([a.min(b), a.max(b)], 2),
+        [Some(c), None] | [None, Some(c)] => ([c, 0], 1),
+        [None, None] => ([0, 0], 0),
+    }
 }
 
 fn build(l: &Layout, s: &mut Schedule) {
@@ -73,16 +102,14 @@ fn build(l: &Layout, s: &mut Schedule) {
         false => l.count.div_ceil(2) * l.elem,
     };
     let halves = [(0, first), (first, bytes - first)];
-    let chunks: [Vec<Span>; 2] = halves.map(|h| l.chunks(Buf::Output, h).collect());
-    let trees: [(Option<usize>, Vec<usize>); 2] =
-        [0, 1].map(|t| (parent(t, r, n), children(t, r, n)));
+    let trees = [0, 1].map(|t| (parent(t, r, n), children(t, r, n)));
     // Chunk by chunk, alternating trees: every pair of ranks then adds its
     // ops in one global order, so neither tree's traffic waits on the other's.
-    for k in 0..chunks[0].len().max(chunks[1].len()) {
-        for t in 0..2 {
-            if let Some(&c) = chunks[t].get(k) {
-                let (parent, children) = &trees[t];
-                chunk(l, s, c, *parent, children);
+    for k in 0..first.div_ceil(l.chunk) {
+        for (t, half) in halves.into_iter().enumerate() {
+            if let Some(c) = l.chunk_at(Buf::Output, half, k) {
+                let (parent, (kids, count)) = trees[t];
+                chunk(l, s, c, parent, &kids[..count]);
             }
         }
     }
@@ -108,12 +135,16 @@ mod tests {
 
     #[test]
     fn both_trees_span_every_rank_with_at_most_two_children() {
-        for n in 1..=64 {
+        for n in 1..=200 {
             for t in 0..2 {
                 let roots: Vec<usize> = (0..n).filter(|&r| parent(t, r, n).is_none()).collect();
                 assert_eq!(roots.len(), 1, "n={n} tree {t}: roots {roots:?}");
                 for r in 0..n {
-                    assert!(children(t, r, n).len() <= 2, "n={n} tree {t} rank {r}");
+                    // The children are exactly the ranks whose parent is r
+                    // (at most two, in rank order).
+                    let (kids, count) = children(t, r, n);
+                    let want: Vec<usize> = (0..n).filter(|&c| parent(t, c, n) == Some(r)).collect();
+                    assert_eq!(&kids[..count], &want[..], "n={n} tree {t} rank {r}");
                     // Walking up reaches the root within log2(n)+1 steps.
                     let (mut at, mut hops) = (r, 0);
                     while let Some(p) = parent(t, at, n) {
@@ -131,7 +162,7 @@ mod tests {
     fn with_even_ranks_no_rank_is_interior_in_both_trees() {
         for n in (2..=64).step_by(2) {
             for r in 0..n {
-                let inner = |t| !children(t, r, n).is_empty();
+                let inner = |t| children(t, r, n).1 > 0;
                 assert!(!(inner(0) && inner(1)), "n={n} rank {r}");
             }
         }

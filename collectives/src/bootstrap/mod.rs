@@ -225,23 +225,7 @@ fn meeting(size: usize, local_size: Option<usize>) -> Result<Meeting, String> {
         return Ok(Meeting::Pmi { fd });
     }
     if local_size == Some(size) {
-        let job = var("PMIX_NAMESPACE")
-            .or_else(|| {
-                Some(format!(
-                    "{}.{}",
-                    var("SLURM_JOB_ID")?,
-                    var("SLURM_STEP_ID")?
-                ))
-            })
-            .unwrap_or_else(|| {
-                format!(
-                    "ppid{}",
-                    rustix::process::getppid().map_or(0, |p| p.as_raw_nonzero().get())
-                )
-            });
-        return Ok(Meeting::Local {
-            key: format!("{job}-{size}"),
-        });
+        return Ok(local_meeting(size));
     }
     Err(
         "MASTER_ADDR and MASTER_PORT are not set, and the ranks span several hosts with no \

@@ -11,7 +11,9 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
 use super::segment::{Desc, Kind, Segment, EAGER_MAX, OBSERVE, PUBLISH, SLOTS, SLOT_BYTES};
-use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
+use crate::{
+    Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
+};
 
 /// Doorbell byte: "look at the rings".
 const RING: u8 = 1;
@@ -31,8 +33,7 @@ pub struct ShmConnection {
     /// Index in `sends` of the first message not fully published.
     publishing: usize,
     recvs: VecDeque<Incoming>,
-    posted: [u64; 2],
-    done: [u64; 2],
+    requests: Requests,
     /// Our cursors: next slot to publish (producer) and to consume (consumer).
     head: u64,
     tail: u64,
@@ -87,8 +88,7 @@ impl ShmConnection {
             sends: VecDeque::new(),
             publishing: 0,
             recvs: VecDeque::new(),
-            posted: [0; 2],
-            done: [0; 2],
+            requests: Requests::default(),
             head: 0,
             tail: 0,
             woke: false,
@@ -104,14 +104,6 @@ impl ShmConnection {
 
     fn in_dir(&self) -> usize {
         1 - self.side
-    }
-
-    fn post(&mut self, dir: Direction) -> Request {
-        self.posted[dir as usize] += 1;
-        Request {
-            dir,
-            seq: self.posted[dir as usize],
-        }
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -147,7 +139,7 @@ impl ShmConnection {
             }
             self.sends.pop_front();
             self.publishing -= 1;
-            self.done[Direction::Send as usize] += 1;
+            self.requests.complete(Direction::Send);
             moved = true;
         }
         Ok(moved)
@@ -246,7 +238,7 @@ impl ShmConnection {
         inc.received += len;
         if inc.received == inc.len {
             self.recvs.pop_front();
-            self.done[Direction::Recv as usize] += 1;
+            self.requests.complete(Direction::Recv);
         }
         Ok(())
     }
@@ -390,7 +382,7 @@ impl Connection for ShmConnection {
             last_slot: None,
             remote: false,
         });
-        Ok(self.post(Direction::Send))
+        Ok(self.requests.post(Direction::Send))
     }
 
     unsafe fn irecv(
@@ -408,7 +400,7 @@ impl Connection for ShmConnection {
             tag,
             received: 0,
         });
-        Ok(self.post(Direction::Recv))
+        Ok(self.requests.post(Direction::Recv))
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -438,7 +430,7 @@ impl Connection for ShmConnection {
     }
 
     fn is_done(&self, request: Request) -> bool {
-        self.done[request.dir as usize] >= request.seq
+        self.requests.is_done(request)
     }
 
     fn pending(&self) -> usize {

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use rustix::net::{sendmsg, SendAncillaryBuffer, SendFlags};
 
 use crate::wire::{self, Frame, HEADER_LEN};
-use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
+use crate::{
+    Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
+};
 
 /// How long `abort` may spend telling the peer.
 const ABORT_PATIENCE: Duration = Duration::from_secs(1);
@@ -20,8 +22,7 @@ pub struct TcpConnection {
     sends: VecDeque<Outgoing>,
     recvs: VecDeque<Incoming>,
     /// Requests posted and completed so far, per [`Direction`].
-    posted: [u64; 2],
-    done: [u64; 2],
+    requests: Requests,
     rx: RxState,
     failed: Option<Error>,
 }
@@ -65,19 +66,10 @@ impl TcpConnection {
             peer,
             sends: VecDeque::new(),
             recvs: VecDeque::new(),
-            posted: [0; 2],
-            done: [0; 2],
+            requests: Requests::default(),
             rx: RxState::default(),
             failed: None,
         })
-    }
-
-    fn post(&mut self, dir: Direction) -> Request {
-        self.posted[dir as usize] += 1;
-        Request {
-            dir,
-            seq: self.posted[dir as usize],
-        }
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -112,7 +104,7 @@ impl TcpConnection {
                     out.written += n;
                     if out.written == total {
                         self.sends.pop_front();
-                        self.done[Direction::Send as usize] += 1;
+                        self.requests.complete(Direction::Send);
                     }
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
@@ -163,7 +155,7 @@ impl TcpConnection {
             }
             self.recvs.pop_front();
             self.rx = RxState::default();
-            self.done[Direction::Recv as usize] += 1;
+            self.requests.complete(Direction::Recv);
             moved = true;
         }
         Ok(moved)
@@ -294,7 +286,7 @@ impl Connection for TcpConnection {
             len,
             written: 0,
         });
-        Ok(self.post(Direction::Send))
+        Ok(self.requests.post(Direction::Send))
     }
 
     unsafe fn irecv(
@@ -307,7 +299,7 @@ impl Connection for TcpConnection {
         self.check_usable()?;
         let data = region.slice_ptr(offset, len)?;
         self.recvs.push_back(Incoming { data, len, tag });
-        Ok(self.post(Direction::Recv))
+        Ok(self.requests.post(Direction::Recv))
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -322,7 +314,7 @@ impl Connection for TcpConnection {
     }
 
     fn is_done(&self, request: Request) -> bool {
-        self.done[request.dir as usize] >= request.seq
+        self.requests.is_done(request)
     }
 
     fn pending(&self) -> usize {

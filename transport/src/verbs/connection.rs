@@ -31,7 +31,9 @@ use sideway::ibverbs::AccessFlags;
 
 use super::{device::Port, Registration};
 use crate::wire::{self, Frame, HEADER_LEN};
-use crate::{Connection, Direction, Error, Interest, MemRegion, Rank, Request, Result, Tag, Wake};
+use crate::{
+    Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
+};
 
 /// Receive buffers kept posted (each takes a clear-to-send or the immediate
 /// of a write): more than the sends and receives either side keeps in flight.
@@ -142,8 +144,7 @@ pub struct VerbsConnection {
     grants: Vec<Cts>,
     recvs: VecDeque<Incoming>,
     next_seq: u32,
-    posted: [u64; 2],
-    done: [u64; 2],
+    requests: Requests,
     woke: bool,
     peer_gone: bool,
     failed: Option<Error>,
@@ -220,27 +221,10 @@ impl VerbsConnection {
         }
         // (One queue pair without inline sends makes the rest go without.)
         tracing::debug!(peer, nqps, inline_max, "queue pairs created");
-        let mut slots = vec![0u64; RECV_SLOTS * SLOT_BYTES / 8];
-        // SAFETY: `slots` lives as long as the connection and is dropped
-        // after its registration (field order).
-        let slots_mr = unsafe {
-            pd.reg_mr(
-                slots.as_mut_ptr() as usize,
-                RECV_SLOTS * SLOT_BYTES,
-                AccessFlags::LocalWrite,
-            )
-        }
-        .map_err(|e| verb("ibv_reg_mr of the receive slots")(&e))?;
-        let mut cts_slots = vec![0u64; CTS_SLOTS * SLOT_BYTES / 8];
-        // SAFETY: as for `slots`.
-        let cts_mr = unsafe {
-            pd.reg_mr(
-                cts_slots.as_mut_ptr() as usize,
-                CTS_SLOTS * SLOT_BYTES,
-                AccessFlags::LocalWrite,
-            )
-        }
-        .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
+        let (slots, slots_mr) = registered_slots(pd, RECV_SLOTS)
+            .map_err(|e| verb("ibv_reg_mr of the receive slots")(&e))?;
+        let (cts_slots, cts_mr) = registered_slots(pd, CTS_SLOTS)
+            .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
             qps,
             cq,
@@ -263,8 +247,7 @@ impl VerbsConnection {
             grants: Vec::new(),
             recvs: VecDeque::new(),
             next_seq: 0,
-            posted: [0; 2],
-            done: [0; 2],
+            requests: Requests::default(),
             woke: false,
             peer_gone: false,
             failed: None,
@@ -399,14 +382,6 @@ impl VerbsConnection {
 
     fn verb_error(&self, verb: &str, e: &dyn std::fmt::Display) -> Error {
         Error::Invalid(format!("{verb} to peer rank {} failed: {e}", self.peer))
-    }
-
-    fn post(&mut self, dir: Direction) -> Request {
-        self.posted[dir as usize] += 1;
-        Request {
-            dir,
-            seq: self.posted[dir as usize],
-        }
     }
 
     /// Signaled, and inline for a message that fits.
@@ -551,7 +526,7 @@ impl VerbsConnection {
                     self.sends.pop_front();
                     self.written -= 1;
                     self.send_base = self.send_base.wrapping_add(1);
-                    self.done[Direction::Send as usize] += 1;
+                    self.requests.complete(Direction::Send);
                 }
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
@@ -571,7 +546,7 @@ impl VerbsConnection {
                     }
                     while self.recvs.front().is_some_and(|r| r.done) {
                         self.recvs.pop_front();
-                        self.done[Direction::Recv as usize] += 1;
+                        self.requests.complete(Direction::Recv);
                     }
                 } else {
                     let at = slot * SLOT_BYTES;
@@ -680,6 +655,26 @@ impl VerbsConnection {
     }
 }
 
+/// `count` zeroed slots of SLOT_BYTES and their registration. The caller
+/// keeps both and drops the registration first (field order).
+fn registered_slots(
+    pd: &Arc<ProtectionDomain>,
+    count: usize,
+) -> std::result::Result<(Vec<u64>, Arc<MemoryRegion>), String> {
+    let mut slots = vec![0u64; count * SLOT_BYTES / 8];
+    // SAFETY: the registration covers exactly `slots`' heap buffer, which
+    // never moves (the Vec is not resized) and outlives it (see above).
+    let mr = unsafe {
+        pd.reg_mr(
+            slots.as_mut_ptr() as usize,
+            count * SLOT_BYTES,
+            AccessFlags::LocalWrite,
+        )
+    }
+    .map_err(|e| e.to_string())?;
+    Ok((slots, mr))
+}
+
 fn bytemuck_words(bytes: &[u8; CTS_LEN]) -> [u64; CTS_LEN / 8] {
     std::array::from_fn(|i| u64::from_le_bytes(bytes[i * 8..i * 8 + 8].try_into().unwrap()))
 }
@@ -722,7 +717,7 @@ impl Connection for VerbsConnection {
             tag,
             done: false,
         });
-        Ok(self.post(Direction::Send))
+        Ok(self.requests.post(Direction::Send))
     }
 
     unsafe fn irecv(
@@ -748,7 +743,7 @@ impl Connection for VerbsConnection {
             return Err(e);
         }
         self.recvs.push_back(Incoming { seq, done: false });
-        Ok(self.post(Direction::Recv))
+        Ok(self.requests.post(Direction::Recv))
     }
 
     fn progress(&mut self) -> Result<bool> {
@@ -772,7 +767,7 @@ impl Connection for VerbsConnection {
     }
 
     fn is_done(&self, request: Request) -> bool {
-        self.done[request.dir as usize] >= request.seq
+        self.requests.is_done(request)
     }
 
     fn pending(&self) -> usize {
