@@ -1,19 +1,24 @@
 //! The communicator: a rank's connections to every other rank of the job,
-//! and the collective calls on them.
+//! its settings, and the one path every call takes (check, choose, build,
+//! execute). The typed calls are in `calls.rs`, splitting in `split.rs`.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use transport::{Connection, MemRegion, Poller, Rank, RegistrationCache, Transport};
+use transport::{Listener, Poller, Rank, RegistrationCache, Transport};
 
-use crate::algo::{self, Algorithm, Layout};
-use crate::bootstrap::rendezvous::PeerInfo;
-use crate::bootstrap::{self, host, Bootstrap};
-use crate::descriptor::{Collective, OpDesc};
-use crate::mesh;
-use crate::schedule::{Exec, Region, Staging, Workspace};
-use crate::tuning::{Profile, Setting};
-use crate::{Config, DataType, Element, Error, ReduceOp, Result};
+use crate::abort::{AbortFlag, AbortHandle};
+use crate::algo::Algorithm;
+use crate::args::{CallArgs, Peer};
+use crate::bootstrap::rendezvous::{PeerInfo, Table};
+use crate::bootstrap::{self, Bootstrap};
+use crate::descriptor::Collective;
+use crate::inflight::{InFlight, RawBuf};
+use crate::mesh::{self, Conns, LANES};
+use crate::selector::Selector;
+use crate::transfers::Staging;
+use crate::tuning::Setting;
+use crate::{Config, Error, Result};
 
 /// The caller's buffers for one call, as bytes.
 pub enum Buffers<'a> {
@@ -27,10 +32,17 @@ pub enum Buffers<'a> {
 
 impl<'a> Buffers<'a> {
     /// Out-of-place byte views of typed buffers.
-    pub fn typed<T: Element>(send: &'a [T], recv: &'a mut [T]) -> Self {
+    pub fn typed<T: crate::Element>(send: &'a [T], recv: &'a mut [T]) -> Self {
         Buffers::OutOfPlace {
             send: bytemuck::cast_slice(send),
             recv: bytemuck::cast_slice_mut(recv),
+        }
+    }
+
+    fn split(self) -> (Option<&'a [u8]>, &'a mut [u8]) {
+        match self {
+            Buffers::InPlace(b) => (None, b),
+            Buffers::OutOfPlace { send, recv } => (Some(send), recv),
         }
     }
 }
@@ -38,41 +50,61 @@ impl<'a> Buffers<'a> {
 /// One rank's view of a job: its peers, its connections, its settings.
 /// Collective calls must be made by every rank, in the same order, with
 /// matching counts, datatypes and reductions; a mismatch is reported, not
-/// mis-reduced. After a failed call the communicator is aborted.
+/// mis-reduced. A call whose arguments are wrong fails before any byte
+/// moves and leaves the communicator usable; any other failure aborts it.
 pub struct Communicator {
-    rank: Rank,
-    size: usize,
+    pub(crate) rank: Rank,
+    pub(crate) size: usize,
     peers: Vec<PeerInfo>,
     local_ranks: Vec<Rank>,
     /// The ranks of each host (see [`hosts`](Self::hosts)).
-    hosts: Vec<Vec<Rank>>,
+    pub(crate) hosts: Vec<Vec<Rank>>,
+    /// Every transport this process offers (children of a split listen on them).
+    pub(crate) available: Vec<Arc<dyn Transport>>,
     /// Transports some connection uses; buffers are registered with each.
-    transports: Vec<Arc<dyn Transport>>,
+    pub(crate) transports: Vec<Arc<dyn Transport>>,
     /// How each rank is reached (`None` for ourselves).
     via: Vec<Option<&'static str>>,
-    conns: Vec<Option<Box<dyn Connection>>>,
-    staging: Staging,
-    registrations: RegistrationCache,
-    config: Config,
+    pub(crate) lanes: [Conns; LANES],
+    pub(crate) staging: Staging,
+    pub(crate) registrations: RegistrationCache,
+    pub(crate) config: Config,
+    /// Collective calls made so far.
     seq: u32,
+    /// Point-to-point messages sent to and received from each rank so far:
+    /// their own sequence, so p2p never shifts the collectives'.
+    p2p_sent: Vec<u32>,
+    p2p_received: Vec<u32>,
+    /// This communicator's identity: the session token its connections
+    /// present, and the byte of it every message tag carries.
+    pub(crate) session: u128,
+    /// Splits made so far (each child's token derives from it).
+    pub(crate) splits: u32,
+    pub(crate) abort: Arc<AbortFlag>,
+    /// Why the communicator is unusable, once it is.
     aborted: Option<String>,
-    /// (collective, algorithm) pairs whose choice has been logged.
-    announced: Vec<(Collective, &'static str)>,
     /// An in-place call's input, copied aside for algorithms that need one.
-    scratch: Vec<u64>,
+    pub(crate) scratch: Vec<u64>,
     /// Where an out-of-place reduce-scatter reduces.
-    reduce_scatter_buf: Vec<u64>,
-    /// The executor's reusable memory.
-    workspace: Workspace,
-    /// Measured algorithm costs the selector consults: the profile's lines
-    /// for this communicator's setting (may be none).
-    profile: Profile,
-    /// The selector's past choices by (collective, bytes), and why: calls
-    /// repeat their sizes, and a choice costs microseconds.
-    choices: Vec<(Collective, usize, &'static Algorithm, Arc<str>)>,
-    /// How long an idle wait spins before yielding (zero when this host's
-    /// ranks outnumber its cores).
-    spin: Duration,
+    pub(crate) reduce_scatter_buf: Vec<u64>,
+    /// Calls started and not finished, and the executor's reusable memory.
+    pub(crate) inflight: InFlight,
+    pub(crate) selector: Selector,
+}
+
+/// What the second half of initialisation needs: everyone's info and this
+/// rank's listeners (from the bootstrap, or from a parent's split).
+pub(crate) struct Setup {
+    pub rank: Rank,
+    pub table: Table,
+    pub available: Vec<Arc<dyn Transport>>,
+    pub listeners: Vec<Box<dyn Listener>>,
+    pub config: Config,
+    pub deadline: Instant,
+    /// What the launcher says this rank's local rank is, to cross-check.
+    pub local_rank_hint: Option<usize>,
+    /// Where rank and size came from, for logs.
+    pub source: &'static str,
 }
 
 impl Communicator {
@@ -97,40 +129,52 @@ impl Communicator {
         let fail = |message: String| Error::Bootstrap { rank, message };
         config.validate().map_err(fail)?;
         let deadline = Instant::now() + config.timeout;
-        let bind_ip = boot.local_ip();
-        let available = mesh::available(bind_ip, &config);
+        let available = mesh::available(boot.local_ip(), &config);
         let (listeners, addresses) = mesh::listen(&available).map_err(|e| fail(e.to_string()))?;
-        let (hostname, host_id) = host::identity();
-        let me = PeerInfo {
-            rank,
-            hostname,
-            host_id,
-            pid: std::process::id(),
-            addresses,
-            settings: config.shared_settings(),
-        };
+        let me = PeerInfo::new(rank, addresses, config.shared_settings());
         let table = bootstrap::meet(&boot, me, deadline).map_err(fail)?;
+        Self::connect(Setup {
+            rank,
+            table,
+            available,
+            listeners,
+            config,
+            deadline,
+            local_rank_hint: boot.local_rank,
+            source: boot.source,
+        })
+    }
+
+    /// The second half of initialisation: connections to every rank of
+    /// `setup.table`, staging, the selector.
+    pub(crate) fn connect(setup: Setup) -> Result<Self> {
+        let Setup {
+            rank,
+            table,
+            available,
+            listeners,
+            config,
+            deadline,
+            local_rank_hint,
+            source,
+        } = setup;
+        let fail = |message: String| Error::Bootstrap { rank, message };
         let mesh =
             mesh::connect(&available, listeners, rank, &table, &config, deadline).map_err(fail)?;
         let used: Vec<&dyn Transport> = mesh.used.iter().map(|t| &**t).collect();
         let staging = Staging::new(&used, config.chunk_bytes, config.depth)
             .map_err(|e| fail(e.to_string()))?;
+        let abort = AbortFlag::new().map_err(|e| fail(format!("eventfd: {e}")))?;
         let me = &table.peers[rank];
-        let local_ranks: Vec<Rank> = table
-            .peers
-            .iter()
+        let local_ranks: Vec<Rank> = (table.peers.iter())
             .filter(|p| p.host_id == me.host_id)
             .map(|p| p.rank)
             .collect();
-        let local_rank = local_ranks
-            .iter()
-            .position(|r| *r == rank)
-            .expect("we are on our host");
-        if boot.local_rank.is_some_and(|l| l != local_rank) {
+        let local_rank = local_ranks.iter().position(|r| *r == rank).unwrap();
+        if local_rank_hint.is_some_and(|l| l != local_rank) {
             tracing::warn!(
                 rank,
-                "launcher says local rank {:?}, the rendezvous says {local_rank}",
-                boot.local_rank
+                "launcher says local rank {local_rank_hint:?}, the rendezvous says {local_rank}"
             );
         }
         let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
@@ -139,11 +183,12 @@ impl Communicator {
         } else {
             Poller::DEFAULT_SPIN
         };
+        let size = table.peers.len();
         mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(
             rank,
-            size = boot.size,
-            source = boot.source,
+            size,
+            source,
             host = %me.hostname,
             local_ranks = ?local_ranks,
             transport = mesh::summary(&mesh.via),
@@ -153,31 +198,36 @@ impl Communicator {
             "communicator ready"
         );
         let hosts = group_by_host(&table.peers);
-        let mut comm = Communicator {
-            profile: Profile::default(),
-            choices: Vec::new(),
+        let setting = Setting {
+            ranks: size,
+            per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
+            transport: mesh::summary(&mesh.via),
+        };
+        Ok(Communicator {
+            selector: Selector::new(rank, hosts.clone(), setting),
             rank,
-            size: boot.size,
+            size,
             hosts,
             peers: table.peers,
             local_ranks,
+            available,
             transports: mesh.used,
             via: mesh.via,
-            conns: mesh.conns,
+            lanes: mesh.lanes,
             staging,
             registrations: RegistrationCache::new(),
             config,
             seq: 0,
+            p2p_sent: vec![0; size],
+            p2p_received: vec![0; size],
+            session: table.session,
+            splits: 0,
+            abort,
             aborted: None,
-            announced: Vec::new(),
             scratch: Vec::new(),
             reduce_scatter_buf: Vec::new(),
-            workspace: Workspace::default(),
-            spin,
-        };
-        // The profile's lines for this communicator's setting only.
-        comm.profile = load_profile(rank).only(&comm.setting());
-        Ok(comm)
+            inflight: InFlight::new(spin),
+        })
     }
 
     pub fn rank(&self) -> Rank {
@@ -195,8 +245,7 @@ impl Communicator {
 
     /// This rank's index among [`local_ranks`](Self::local_ranks).
     pub fn local_rank(&self) -> usize {
-        self.local_ranks
-            .iter()
+        (self.local_ranks.iter())
             .position(|r| *r == self.rank)
             .unwrap()
     }
@@ -229,14 +278,16 @@ impl Communicator {
 
     /// The algorithm a call of `collective` on `bytes` per rank would use.
     pub fn algorithm(&self, collective: Collective, bytes: usize) -> Result<&'static Algorithm> {
-        self.choose(collective, bytes).map(|(a, _)| a)
+        (self.selector)
+            .choose(&self.config, collective, bytes)
+            .map(|(a, _)| a)
     }
 
     /// Forces `collective`'s algorithm from now on (`None`: the selector
     /// chooses again), as `COLL_ALGO` does. Every rank must do the same.
     pub fn force_algo(&mut self, collective: Collective, name: Option<&str>) {
         let c = collective.name();
-        self.choices.clear();
+        self.selector.forget();
         self.config.algo.retain(|(k, _)| k != c);
         if let Some(name) = name {
             self.config.algo.push((c.to_string(), name.to_lowercase()));
@@ -245,206 +296,31 @@ impl Communicator {
 
     /// What the selector's cost model is keyed by for this communicator.
     pub fn setting(&self) -> Setting {
-        Setting {
-            ranks: self.size,
-            per_host: self.hosts.iter().map(Vec::len).max().unwrap_or(1),
-            transport: self.transport_summary(),
-        }
+        self.selector.setting().clone()
     }
 
-    /// [`choose`](Self::choose), remembered.
-    fn choose_cached(
-        &mut self,
-        collective: Collective,
-        bytes: usize,
-    ) -> Result<(&'static Algorithm, Arc<str>)> {
-        let seen = self
-            .choices
-            .iter()
-            .find(|c| c.0 == collective && c.1 == bytes);
-        if let Some((_, _, algo, why)) = seen {
-            return Ok((algo, Arc::clone(why)));
-        }
-        let (algo, why) = self.choose(collective, bytes)?;
-        if self.choices.len() == 256 {
-            self.choices.clear();
-        }
-        let why: Arc<str> = why.into();
-        self.choices
-            .push((collective, bytes, algo, Arc::clone(&why)));
-        Ok((algo, why))
+    /// A handle that aborts this communicator from any thread (see
+    /// [`AbortHandle`]).
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.handle()
     }
 
-    /// The algorithm for a call, and why: forced by configuration, predicted
-    /// fastest by the measured profile, or the built-in thresholds' pick.
-    fn choose(&self, collective: Collective, bytes: usize) -> Result<(&'static Algorithm, String)> {
-        if let Some(name) = self.config.forced_algo(collective) {
-            return algo::find(collective, name)
-                .map(|a| (a, "forced by COLL_ALGO or --algo".to_string()))
-                .ok_or_else(|| Error::InvalidArgument {
-                    rank: self.rank,
-                    message: format!(
-                        "no {collective} algorithm named '{name}' (available: {})",
-                        algo::names(collective).join(", ")
-                    ),
-                });
-        }
-        let (built_in, why) = algo::select(collective, bytes, self.size, &self.hosts);
-        let setting = self.setting();
-        let Some((best, us)) = self.profile.best(collective, &setting, bytes) else {
-            return Ok((built_in, why.to_string()));
-        };
-        // The profile overrides the built-in choice only for a predicted gain
-        // above measurement noise (one tuning run on a busy host is not exact).
-        let built_in_us = self
-            .profile
-            .predict(collective, built_in.name, &setting, bytes)
-            .unwrap_or(f64::INFINITY);
-        match algo::find(collective, &best.algo) {
-            Some(a) if us * PROFILE_MARGIN < built_in_us => Ok((
-                a,
-                format!(
-                    "fastest in the measured profile: {us:.1} us predicted at {bytes} B, {} {built_in_us:.1} us",
-                    built_in.name
-                ),
-            )),
-            _ => Ok((
-                built_in,
-                format!("{why} (the measured profile agrees within {:.0}%)", (PROFILE_MARGIN - 1.0) * 100.0),
-            )),
-        }
+    /// Aborts the communicator: every later call fails, and every peer's
+    /// pending or next call fails naming this rank and `reason`.
+    pub fn abort(&mut self, reason: &str) {
+        self.abort.fire(reason);
+        self.close(reason);
     }
 
-    /// `recv[i] = op over ranks of send[i]`, on every rank.
-    pub fn all_reduce<T: Element>(
-        &mut self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let bufs = Buffers::typed(send, recv);
-        self.all_reduce_bytes(bufs, T::DTYPE, op)
+    /// Whether the communicator was aborted (by a failure or on request), and why.
+    pub fn aborted(&self) -> Option<String> {
+        self.aborted.clone().or_else(|| self.abort.reason())
     }
 
-    /// `buf[i] = op over ranks of buf[i]`, on every rank.
-    pub fn all_reduce_in_place<T: Element>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        self.all_reduce_bytes(
-            Buffers::InPlace(bytemuck::cast_slice_mut(buf)),
-            T::DTYPE,
-            op,
-        )
-    }
-
-    /// AllReduce on byte buffers holding `dtype` elements.
-    pub fn all_reduce_bytes(
-        &mut self,
-        bufs: Buffers<'_>,
-        dtype: DataType,
-        op: ReduceOp,
-    ) -> Result<()> {
-        self.run(Collective::AllReduce, bufs, dtype, Some(op), None)
-    }
-
-    /// Block `j` of `send` goes to rank `j`; block `j` of `recv` comes from
-    /// rank `j`. Lengths must be equal and divisible by the rank count.
-    pub fn all_to_all<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let bufs = Buffers::typed(send, recv);
-        self.all_to_all_bytes(bufs, T::DTYPE)
-    }
-
-    /// AllToAll where the received blocks replace the sent ones.
-    pub fn all_to_all_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
-        self.all_to_all_bytes(Buffers::InPlace(bytemuck::cast_slice_mut(buf)), T::DTYPE)
-    }
-
-    /// AllToAll on byte buffers holding `dtype` elements.
-    pub fn all_to_all_bytes(&mut self, bufs: Buffers<'_>, dtype: DataType) -> Result<()> {
-        self.run(Collective::AllToAll, bufs, dtype, None, None)
-    }
-
-    /// `recv = block rank of (op over ranks of send)`, where `send` holds
-    /// one block of `recv.len()` elements per rank.
-    pub fn reduce_scatter<T: Element>(
-        &mut self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let bufs = Buffers::typed(send, recv);
-        self.run(Collective::ReduceScatter, bufs, T::DTYPE, Some(op), None)
-    }
-
-    /// Reduce-scatter whose result lands in block `rank` of `buf` (NCCL's
-    /// in-place convention: `recvbuff == sendbuff + rank * recvcount`); the
-    /// other blocks are left with partial results.
-    pub fn reduce_scatter_in_place<T: Element>(
-        &mut self,
-        buf: &mut [T],
-        op: ReduceOp,
-    ) -> Result<()> {
-        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
-        self.run(Collective::ReduceScatter, bufs, T::DTYPE, Some(op), None)
-    }
-
-    /// Block `j` of `recv` (each `send.len()` elements) is rank `j`'s `send`.
-    pub fn all_gather<T: Element>(&mut self, send: &[T], recv: &mut [T]) -> Result<()> {
-        let bufs = Buffers::typed(send, recv);
-        self.run(Collective::AllGather, bufs, T::DTYPE, None, None)
-    }
-
-    /// All-gather where each rank's contribution is already block `rank` of `buf`.
-    pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
-        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
-        self.run(Collective::AllGather, bufs, T::DTYPE, None, None)
-    }
-
-    /// Every rank's `buf` becomes rank `root`'s.
-    pub fn broadcast<T: Element>(&mut self, buf: &mut [T], root: Rank) -> Result<()> {
-        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
-        self.run(Collective::Broadcast, bufs, T::DTYPE, None, Some(root))
-    }
-
-    /// `recv[i] = op over ranks of send[i]` on rank `root`. Every rank passes
-    /// a `recv` of the same length: on the others it is used as workspace and
-    /// holds partial results afterwards.
-    pub fn reduce<T: Element>(
-        &mut self,
-        send: &[T],
-        recv: &mut [T],
-        op: ReduceOp,
-        root: Rank,
-    ) -> Result<()> {
-        let bufs = Buffers::typed(send, recv);
-        self.run(Collective::Reduce, bufs, T::DTYPE, Some(op), Some(root))
-    }
-
-    /// Reduce where `buf` is both input and, on `root`, result.
-    pub fn reduce_in_place<T: Element>(
-        &mut self,
-        buf: &mut [T],
-        op: ReduceOp,
-        root: Rank,
-    ) -> Result<()> {
-        let bufs = Buffers::InPlace(bytemuck::cast_slice_mut(buf));
-        self.run(Collective::Reduce, bufs, T::DTYPE, Some(op), Some(root))
-    }
-
-    /// Returns once every rank has entered the barrier.
-    pub fn barrier(&mut self) -> Result<()> {
-        self.run(
-            Collective::Barrier,
-            Buffers::InPlace(&mut []),
-            DataType::U8,
-            None,
-            None,
-        )
-    }
-
-    /// Keeps `buf` registered with the transport until
-    /// [`deregister`](Self::deregister), so calls on it skip registration
-    /// (which costs a page pinning per call over verbs).
-    pub fn register<T: Element>(&mut self, buf: &[T]) -> Result<()> {
-        let bytes: &[u8] = bytemuck::cast_slice(buf);
+    /// Keeps `bytes` registered with the transports until
+    /// [`deregister_bytes`](Self::deregister_bytes), so calls on it skip
+    /// registration (which costs a page pinning per call over verbs).
+    pub fn register_bytes(&mut self, bytes: &[u8]) -> Result<()> {
         let transports: Vec<&dyn Transport> = self.transports.iter().map(|t| &**t).collect();
         self.registrations
             .get_or_register(transports.iter().copied(), bytes.as_ptr(), bytes.len())
@@ -455,301 +331,110 @@ impl Communicator {
             })
     }
 
-    /// Forgets a registration made by [`register`](Self::register).
-    pub fn deregister<T: Element>(&mut self, buf: &[T]) {
-        let bytes: &[u8] = bytemuck::cast_slice(buf);
+    /// Forgets a registration made by [`register_bytes`](Self::register_bytes).
+    pub fn deregister_bytes(&mut self, bytes: &[u8]) {
         self.registrations.evict(bytes.as_ptr(), bytes.len());
     }
 
-    /// Any collective on byte buffers: `op` for those that reduce, `root`
-    /// for broadcast and reduce (see the typed calls for each one's buffers).
-    pub fn collective_bytes(
-        &mut self,
-        collective: Collective,
-        bufs: Buffers<'_>,
-        dtype: DataType,
-        op: Option<ReduceOp>,
-        root: Option<Rank>,
-    ) -> Result<()> {
-        self.run(collective, bufs, dtype, op, root)
+    /// Any call on byte buffers, described by `args` (see the typed calls
+    /// in `calls.rs` for each one's buffers; point-to-point sends pass
+    /// their buffer as the send half of `OutOfPlace` with an empty
+    /// receive half, receives theirs `InPlace`).
+    pub fn call(&mut self, args: &CallArgs, bufs: Buffers<'_>) -> Result<()> {
+        let (input, output) = bufs.split();
+        self.run(args, input, output)
     }
 
-    /// Validates, builds the algorithm's schedule and runs it. Any failure
-    /// aborts the communicator and tells the peers why.
-    fn run(
+    /// A call with NCCL's buffer conventions: `count` as NCCL means it for
+    /// the collective (see [`CallArgs::nccl_lengths`]), in place when the
+    /// addresses say so (see [`CallArgs::nccl_in_place`]).
+    ///
+    /// # Safety
+    /// `send` and `recv` must be valid for the lengths `count` stands for
+    /// (reads and writes respectively; either may be null when its length
+    /// is zero) and must not be used by anyone else during the call.
+    pub unsafe fn call_raw(
         &mut self,
-        collective: Collective,
-        bufs: Buffers<'_>,
-        dtype: DataType,
-        op: Option<ReduceOp>,
-        root: Option<Rank>,
+        args: &CallArgs,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
     ) -> Result<()> {
-        if let Some(reason) = &self.aborted {
-            return Err(Error::Aborted {
-                rank: self.rank,
-                reason: reason.clone(),
-            });
-        }
-        let (input, output) = match bufs {
-            Buffers::InPlace(b) => (None, b),
-            Buffers::OutOfPlace { send, recv } => (Some(send), recv),
-        };
-        let larger = input.map_or(0, <[u8]>::len).max(output.len());
-        let desc = OpDesc {
-            collective,
-            dtype,
-            op,
-            count: (larger / dtype.size()) as u64,
-            root: root.map(|r| u16::try_from(r).unwrap_or(u16::MAX)),
-            seq: self.seq,
-        };
-        self.seq = self.seq.wrapping_add(1);
-        let result = self.check_args(&desc, input, output).and_then(|()| {
-            // Nothing to move (as in NCCL and MPI); barriers always run.
-            if desc.count == 0 && collective != Collective::Barrier {
-                return Ok(());
-            }
-            let (algo, why) = self.choose_cached(collective, larger)?;
-            self.announce(collective, algo, &why);
-            self.execute_into(desc, algo, input, output)
-        });
-        if let Err(e) = &result {
-            self.abort(&root_cause(e));
-        }
-        result
-    }
-
-    /// Runs the call; a reduce-scatter out of place reduces in a whole-size
-    /// buffer of ours (the ring passes every block through each rank) and
-    /// hands over this rank's block at the end.
-    fn execute_into(
-        &mut self,
-        desc: OpDesc,
-        algo: &Algorithm,
-        input: Option<&[u8]>,
-        output: &mut [u8],
-    ) -> Result<()> {
-        let Some(send) = input.filter(|_| desc.collective == Collective::ReduceScatter) else {
-            return self.execute(desc, algo, input, output);
-        };
-        let mut whole = std::mem::take(&mut self.reduce_scatter_buf);
-        whole.resize(whole.len().max(send.len().div_ceil(8)), 0);
-        let bytes = &mut bytemuck::cast_slice_mut(&mut whole)[..send.len()];
-        let result = self.execute(desc, algo, Some(send), bytes);
-        let mine = self.rank * output.len();
-        output.copy_from_slice(&bytes[mine..mine + output.len()]);
-        self.reduce_scatter_buf = whole;
-        result
-    }
-
-    fn check_args(&self, desc: &OpDesc, input: Option<&[u8]>, output: &[u8]) -> Result<()> {
-        let bad = |message: String| {
-            Err(Error::InvalidArgument {
-                rank: self.rank,
-                message,
-            })
-        };
-        let (collective, dtype, n) = (desc.collective, desc.dtype, self.size);
-        if collective.reduces() != desc.op.is_some() {
-            return bad(format!(
-                "{collective}: a reduction op is {}",
-                match desc.op {
-                    Some(_) => "not used here",
-                    None => "needed",
-                }
-            ));
-        }
-        match desc.root {
-            Some(_) if !collective.rooted() => return bad(format!("{collective} has no root")),
-            Some(root) if root as usize >= n => {
-                return bad(format!(
-                    "{collective}: root {root} is not a rank of the {n}"
-                ))
-            }
-            None if collective.rooted() => return bad(format!("{collective} needs a root")),
-            _ => {}
-        }
-        let elem = dtype.size();
-        // The one buffer of an in-place call, or the send buffer's length
-        // relative to the receive buffer's.
-        let (smaller, factor) = match collective {
-            Collective::ReduceScatter => (input.map(|_| output.len()), n),
-            Collective::AllGather => (input.map(<[u8]>::len), n),
-            _ => (input.map(<[u8]>::len), 1),
-        };
-        let larger = input.map_or(output.len(), |i| i.len().max(output.len()));
-        if let (Some(input), Some(smaller)) = (input, smaller) {
-            if smaller * factor != larger || input.len().min(output.len()) != smaller {
-                let rule = match factor {
-                    1 => "equal".to_string(),
-                    _ => format!("the larger {n} times the smaller (one block per rank)"),
-                };
-                return bad(format!(
-                    "{collective}: send buffer has {} bytes, receive buffer {}; they must be {rule}",
-                    input.len(),
-                    output.len()
-                ));
-            }
-        }
-        if larger % elem != 0 {
-            return bad(format!(
-                "{collective}: {larger} bytes is not a whole number of {dtype} elements"
-            ));
-        }
-        if desc.count > OpDesc::MAX_COUNT {
-            return bad(format!("{collective}: {} elements is too many", desc.count));
-        }
-        for b in input.into_iter().chain([output]) {
-            if b.as_ptr() as usize % elem != 0 {
-                return bad(format!(
-                    "{collective}: buffer at {:p} is not aligned for {dtype}",
-                    b.as_ptr()
-                ));
-            }
-        }
-        let blocks = matches!(
-            collective,
-            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather
-        );
-        if blocks && (larger / elem) % n != 0 {
-            return bad(format!(
-                "{collective}: count {} is not divisible by the {n} ranks (one block per rank)",
-                larger / elem,
-            ));
-        }
-        Ok(())
-    }
-
-    fn execute(
-        &mut self,
-        desc: OpDesc,
-        algo: &Algorithm,
-        input: Option<&[u8]>,
-        output: &mut [u8],
-    ) -> Result<()> {
-        let elem = desc.dtype.size();
-        // An algorithm that cannot run in place gets a copy of the input.
-        let mut scratch = std::mem::take(&mut self.scratch);
-        let input = match input {
-            None if !algo.in_place => {
-                scratch.resize(scratch.len().max(output.len().div_ceil(8)), 0);
-                let copy = &mut bytemuck::cast_slice_mut(&mut scratch)[..output.len()];
-                copy.copy_from_slice(output);
-                Some(&*copy)
-            }
-            other => other,
-        };
-        let layout = Layout {
+        let invalid = |message: String| Error::InvalidArgument {
             rank: self.rank,
-            size: self.size,
-            count: desc.count as usize,
-            elem,
-            chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
-            in_place: input.is_none(),
-            root: desc.root.map_or(0, usize::from),
-            hosts: &self.hosts,
+            message: format!("{}: {message}", args.collective),
         };
-        let mut ws = std::mem::take(&mut self.workspace);
-        ws.sched.clear();
-        (algo.build)(&layout, &mut ws.sched);
-        tracing::debug!(rank = self.rank, op = %desc, algo = algo.name, chunk = layout.chunk, ops = ws.sched.len(), "start");
-        let rank = self.rank;
-        let transports = &self.transports;
-        let region = |ptr: *mut u8, len: usize| -> Result<Region> {
-            let mr: MemRegion = match self.registrations.lookup(ptr, len) {
-                Some(mr) => mr,
-                None => transport::register_all(transports.iter().map(|t| &**t), ptr, len)
-                    .map_err(|e| Error::collective(rank, desc, e))?,
-            };
-            Ok(Region { ptr, len, mr })
+        let elem = args.dtype.size();
+        let (send_len, recv_len) = (args.nccl_lengths(count, self.size))
+            .and_then(|(s, r)| Some((s.checked_mul(elem)?, r.checked_mul(elem)?)))
+            .ok_or_else(|| invalid(format!("count {count} overflows")))?;
+        let in_place = args.nccl_in_place(send as usize, recv as usize, count, self.rank);
+        let null = |p: *const u8, len: usize| p.is_null() && len > 0;
+        if null(send, send_len) || (null(recv, recv_len) && !in_place) {
+            return Err(invalid("a buffer is a null pointer".into()));
+        }
+        // SAFETY: the caller vouches for both ranges; empty ones are never
+        // dereferenced (a dangling pointer stands in for null).
+        let slice = |p: *const u8, len: usize| unsafe {
+            std::slice::from_raw_parts(if len == 0 { std::ptr::dangling() } else { p }, len)
         };
-        let input = match input {
-            Some(b) => Some(region(b.as_ptr().cast_mut(), b.len())?),
-            None => None,
+        let slice_mut = |p: *mut u8, len: usize| unsafe {
+            let p = if len == 0 { std::ptr::dangling_mut() } else { p };
+            std::slice::from_raw_parts_mut(p, len)
         };
-        let output = region(output.as_mut_ptr(), output.len())?;
-        let exec = Exec {
-            peers: &mut self.conns,
-            input,
-            output,
-            staging: &mut self.staging,
-            dtype: desc.dtype,
-            op: desc.op.unwrap_or(ReduceOp::Sum),
-            nranks: self.size,
-            tag: desc.tag(),
-            timeout: self.config.timeout,
-            depth: self.config.depth,
-            spin: self.spin,
+        let bufs = match (in_place, args.collective) {
+            (true, Collective::ReduceScatter) => Buffers::InPlace(slice_mut(send.cast_mut(), send_len)),
+            (true, _) => Buffers::InPlace(slice_mut(recv, recv_len)),
+            (false, _) => Buffers::OutOfPlace {
+                send: slice(send, send_len),
+                recv: slice_mut(recv, recv_len),
+            },
         };
-        let result = exec
-            .run(&mut ws)
-            .map_err(|e| Error::collective(rank, desc, e));
-        self.scratch = scratch;
-        self.workspace = ws;
-        result
+        self.call(args, bufs)
     }
 
-    /// Logs, the first time an algorithm runs a collective, why it was chosen.
-    fn announce(&mut self, collective: Collective, algo: &'static Algorithm, why: &str) {
-        if self.announced.contains(&(collective, algo.name)) {
+    /// Runs one call to its end. Argument errors leave the communicator
+    /// usable; any other failure aborts it and tells the peers why.
+    pub(crate) fn run(
+        &mut self,
+        args: &CallArgs,
+        input: Option<&[u8]>,
+        output: &mut [u8],
+    ) -> Result<()> {
+        // SAFETY: the borrows keep both buffers alive and to ourselves until
+        // `wait` returns, which is when the call has finished (or failed
+        // and the connections were aborted).
+        let id = unsafe { self.start(args, input.map(RawBuf::of), RawBuf::of(output))? };
+        self.wait(id)
+    }
+
+    /// This call's sequence number: the communicator's for collectives, the
+    /// pair's and direction's for point-to-point.
+    pub(crate) fn next_seq(&mut self, peer: Option<Peer>) -> u32 {
+        let counter = match peer {
+            Some(Peer::To(p)) if p < self.size => &mut self.p2p_sent[p],
+            Some(Peer::From(p)) if p < self.size => &mut self.p2p_received[p],
+            Some(_) => return 0,
+            None => &mut self.seq,
+        };
+        let seq = *counter;
+        *counter = counter.wrapping_add(1);
+        seq
+    }
+
+    /// Gives up on every connection, telling each peer `reason`; every
+    /// call in flight fails.
+    pub(crate) fn close(&mut self, reason: &str) {
+        if self.aborted.is_some() {
             return;
         }
-        self.announced.push((collective, algo.name));
-        tracing::info!(
-            rank = self.rank,
-            chunk = self.config.chunk_bytes,
-            depth = self.config.depth,
-            "{collective}: algorithm {}, {why}",
-            algo.name
-        );
-    }
-
-    /// Gives up on every connection, telling each peer `reason`.
-    fn abort(&mut self, reason: &str) {
+        self.inflight.fail_all(self.rank, reason);
         // The caller gets the error itself; the log only records the abort.
         tracing::info!(rank = self.rank, "aborting the communicator: {reason}");
-        for c in self.conns.iter_mut().flatten() {
+        for c in self.lanes.iter_mut().flatten().flatten() {
             c.abort(reason);
         }
         self.aborted = Some(reason.to_string());
-    }
-}
-
-/// What to tell the peers when `e` aborts us: a peer's own abort reason is
-/// passed on as it came, so every rank names the first failure, one level deep.
-fn root_cause(e: &Error) -> String {
-    match e {
-        Error::Collective {
-            source: transport::Error::PeerAborted { reason, .. },
-            ..
-        } => reason.clone(),
-        e => e.to_string(),
-    }
-}
-
-/// How much faster the profile must predict another algorithm to be than the
-/// built-in choice to take its place.
-const PROFILE_MARGIN: f64 = 1.10;
-
-/// The selector's profile; a broken one is reported and left out (a
-/// missing or stale profile only costs speed).
-fn load_profile(rank: Rank) -> Profile {
-    match Profile::from_env() {
-        Ok(p) => {
-            if let Some(src) = &p.source {
-                tracing::info!(
-                    rank,
-                    entries = p.entries.len(),
-                    "selector profile {}",
-                    src.display()
-                );
-            }
-            p
-        }
-        Err(e) => {
-            tracing::warn!(rank, "{e}; the selector uses its built-in thresholds");
-            Profile::default()
-        }
     }
 }
 

@@ -1,6 +1,7 @@
-//! What one collective call is, packed into the [`Tag`] every message of the
-//! call carries, so that ranks disagreeing on the operation, datatype, count,
-//! reduction or call order get a precise error instead of a wrong result.
+//! What one call is, packed into the [`Tag`] every message of the call
+//! carries, so that ranks disagreeing on the collective, datatype, count,
+//! reduction, root, call order or communicator get a precise error instead
+//! of a wrong result.
 
 use std::fmt;
 
@@ -8,7 +9,8 @@ use transport::Tag;
 
 use crate::{DataType, ReduceOp};
 
-/// The collectives this library runs.
+/// The calls this library runs: the collectives, and point-to-point
+/// messages (`send`/`recv`), which are not in [`ALL`](Self::ALL).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Collective {
@@ -19,10 +21,15 @@ pub enum Collective {
     AllGather,
     Broadcast,
     Reduce,
+    /// AllToAll with a count per pair of ranks (`MPI_Alltoallv`).
+    AllToAllV,
+    /// A `send` matched by a `recv`.
+    PointToPoint,
 }
 
 impl Collective {
-    pub const ALL: [Collective; 7] = [
+    /// The collectives (every rank takes part), each with algorithms.
+    pub const ALL: [Collective; 8] = [
         Collective::AllReduce,
         Collective::AllToAll,
         Collective::Barrier,
@@ -30,6 +37,7 @@ impl Collective {
         Collective::AllGather,
         Collective::Broadcast,
         Collective::Reduce,
+        Collective::AllToAllV,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -41,6 +49,8 @@ impl Collective {
             Collective::AllGather => "allgather",
             Collective::Broadcast => "broadcast",
             Collective::Reduce => "reduce",
+            Collective::AllToAllV => "alltoallv",
+            Collective::PointToPoint => "send/recv",
         }
     }
 
@@ -63,15 +73,29 @@ impl Collective {
         let n = n as f64;
         match self {
             Collective::AllReduce => 2.0 * (n - 1.0) / n,
-            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather => {
-                (n - 1.0) / n
-            }
-            Collective::Broadcast | Collective::Reduce | Collective::Barrier => 1.0,
+            Collective::AllToAll
+            | Collective::AllToAllV
+            | Collective::ReduceScatter
+            | Collective::AllGather => (n - 1.0) / n,
+            Collective::Broadcast
+            | Collective::Reduce
+            | Collective::Barrier
+            | Collective::PointToPoint => 1.0,
         }
     }
 
+    /// Whether the buffer is cut into one block per rank.
+    pub const fn blocks(self) -> bool {
+        matches!(
+            self,
+            Collective::AllToAll | Collective::ReduceScatter | Collective::AllGather
+        )
+    }
+
     fn from_u8(v: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|c| *c as u8 == v)
+        (Self::ALL.into_iter())
+            .chain([Collective::PointToPoint])
+            .find(|c| *c as u8 == v)
     }
 }
 
@@ -81,9 +105,10 @@ impl fmt::Display for Collective {
     }
 }
 
-/// One call: which collective, on what, and its sequence number on the communicator.
+/// One call: which collective, on what, and its sequence number on the
+/// communicator (for point-to-point: on the pair of ranks, per direction).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct OpDesc {
+pub struct CallDesc {
     pub collective: Collective,
     pub dtype: DataType,
     pub op: Option<ReduceOp>,
@@ -94,14 +119,17 @@ pub struct OpDesc {
     pub root: Option<u16>,
     /// Calls made on this communicator before this one.
     pub seq: u32,
+    /// The communicator's identity, hashed to a byte (see
+    /// [`Communicator::split`](crate::Communicator::split)).
+    pub comm: u8,
 }
 
-impl OpDesc {
+impl CallDesc {
     /// Counts above this do not fit a tag (no buffer comes near).
     pub const MAX_COUNT: u64 = (1 << 47) - 1;
 
     /// Layout: count (47 bits) | has root (1) | root (16) | seq (32) |
-    /// collective (8) | dtype (8) | op (8) | 0 (8).
+    /// collective (8) | dtype (8) | op (8) | comm (8).
     pub fn tag(&self) -> Tag {
         ((self.count & Self::MAX_COUNT) as u128)
             | (self.root.map_or(0, |_| 1u128) << 47)
@@ -110,6 +138,7 @@ impl OpDesc {
             | (self.collective as u128) << 96
             | (self.dtype as u128) << 104
             | (self.op.map_or(0, |o| o as u8) as u128) << 112
+            | (self.comm as u128) << 120
     }
 
     /// Inverse of [`tag`](Self::tag); `None` for bytes that are not a tag of ours.
@@ -119,7 +148,8 @@ impl OpDesc {
             0 => None,
             v => Some(ReduceOp::from_u8(v)?),
         };
-        Some(OpDesc {
+        Some(CallDesc {
+            comm: byte(120),
             count: tag as u64 & Self::MAX_COUNT,
             root: ((tag >> 47) & 1 == 1).then_some((tag >> 48) as u16),
             seq: (tag >> 64) as u32,
@@ -130,7 +160,7 @@ impl OpDesc {
     }
 }
 
-impl fmt::Display for OpDesc {
+impl fmt::Display for CallDesc {
     /// `allreduce #5 (1000 x f32, sum)`
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{} #{}", self.collective, self.seq)?;
@@ -154,42 +184,44 @@ mod tests {
 
     #[test]
     fn tags_round_trip_and_differ() {
-        let a = OpDesc {
+        let a = CallDesc {
             collective: Collective::AllReduce,
             dtype: DataType::Bf16,
             op: Some(ReduceOp::Avg),
-            count: OpDesc::MAX_COUNT - 3,
+            count: CallDesc::MAX_COUNT - 3,
             root: None,
             seq: 77,
+            comm: 9,
         };
-        assert_eq!(OpDesc::from_tag(a.tag()), Some(a));
-        let b = OpDesc {
+        assert_eq!(CallDesc::from_tag(a.tag()), Some(a));
+        let b = CallDesc {
             op: None,
             collective: Collective::AllToAll,
             ..a
         };
-        assert_eq!(OpDesc::from_tag(b.tag()), Some(b));
-        let c = OpDesc {
+        assert_eq!(CallDesc::from_tag(b.tag()), Some(b));
+        let c = CallDesc {
             collective: Collective::Broadcast,
             root: Some(65535),
             ..b
         };
-        assert_eq!(OpDesc::from_tag(c.tag()), Some(c));
-        assert_ne!(c.tag(), OpDesc { root: Some(0), ..c }.tag());
+        assert_eq!(CallDesc::from_tag(c.tag()), Some(c));
+        assert_ne!(c.tag(), CallDesc { root: Some(0), ..c }.tag());
         assert_ne!(
-            OpDesc { root: Some(0), ..c }.tag(),
-            OpDesc { root: None, ..c }.tag()
+            CallDesc { root: Some(0), ..c }.tag(),
+            CallDesc { root: None, ..c }.tag()
         );
-        assert_ne!(a.tag(), OpDesc { count: 1, ..a }.tag());
+        assert_ne!(a.tag(), CallDesc { count: 1, ..a }.tag());
         assert_ne!(
             a.tag(),
-            OpDesc {
+            CallDesc {
                 dtype: DataType::F16,
                 ..a
             }
             .tag()
         );
+        assert_ne!(a.tag(), CallDesc { comm: 10, ..a }.tag());
         assert_eq!(a.to_string(), "allreduce #77 (140737488355324 x bf16, avg)");
-        assert_eq!(OpDesc::from_tag(0), None);
+        assert_eq!(CallDesc::from_tag(0), None);
     }
 }

@@ -1,9 +1,10 @@
 //! Errors of the collectives layer. Each names the local rank; failures of a
-//! collective also name the operation with its sequence number and the peer.
+//! call also name the call with its sequence number and the peer. Bindings
+//! map errors by [`Error::kind`], never by their text.
 
 use transport::Rank;
 
-use crate::descriptor::OpDesc;
+use crate::descriptor::CallDesc;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -14,11 +15,11 @@ pub enum Error {
     #[error("rank {rank}: bootstrap failed: {message}")]
     Bootstrap { rank: Rank, message: String },
 
-    /// A collective failed; `source` names the peer.
+    /// A call failed; `source` names the peer.
     #[error("rank {rank}: {op} failed: {source}")]
     Collective {
         rank: Rank,
-        op: OpDesc,
+        op: CallDesc,
         #[source]
         source: transport::Error,
     },
@@ -28,7 +29,7 @@ pub enum Error {
     Mismatch {
         rank: Rank,
         peer: Rank,
-        ours: OpDesc,
+        ours: CallDesc,
         theirs: String,
     },
 
@@ -36,14 +37,32 @@ pub enum Error {
     #[error("rank {rank}: {message}")]
     InvalidArgument { rank: Rank, message: String },
 
-    /// An earlier failure left the communicator unusable.
-    #[error("rank {rank}: the communicator was aborted by an earlier failure ({reason}); create a new one")]
+    /// The communicator was aborted, on request or by an earlier failure.
+    #[error("rank {rank}: the communicator was aborted ({reason}); create a new one")]
     Aborted { rank: Rank, reason: String },
+}
+
+/// What kind of failure an [`Error`] is, for callers that react to kinds
+/// (the C ABI's result codes, the Python exception classes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Bad arguments; nothing moved, the communicator is still usable.
+    InvalidArgument,
+    /// The ranks disagree on a call (count, datatype, reduction, root, order).
+    Mismatch,
+    /// A peer died, closed its connection or aborted.
+    Remote,
+    /// Nothing moved for the timeout.
+    Timeout,
+    /// This communicator was aborted.
+    Aborted,
+    /// The system refused something: rendezvous, sockets, memory, devices.
+    System,
 }
 
 impl Error {
     /// Turns a transport failure during `op` into the error users see.
-    pub(crate) fn collective(rank: Rank, op: OpDesc, source: transport::Error) -> Self {
+    pub(crate) fn collective(rank: Rank, op: CallDesc, source: transport::Error) -> Self {
         match source {
             transport::Error::Mismatch {
                 peer,
@@ -55,12 +74,49 @@ impl Error {
                 rank,
                 peer,
                 ours: op,
-                theirs: match OpDesc::from_tag(got_tag) {
+                theirs: match CallDesc::from_tag(got_tag) {
                     Some(t) if t.tag() != op.tag() => t.to_string(),
                     _ => format!("the same operation but a message of {got_len} bytes where {expected_len} were expected"),
                 },
             },
             source => Error::Collective { rank, op, source },
+        }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        use transport::Error as T;
+        match self {
+            Error::Bootstrap { .. } => ErrorKind::System,
+            Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
+            Error::Mismatch { .. } => ErrorKind::Mismatch,
+            Error::Aborted { .. } => ErrorKind::Aborted,
+            Error::Collective { source, .. } => match source {
+                T::Closed { .. } | T::PeerAborted { .. } => ErrorKind::Remote,
+                T::Timeout { .. } => ErrorKind::Timeout,
+                T::Mismatch { .. } => ErrorKind::Mismatch,
+                T::Aborted { .. } => ErrorKind::Aborted,
+                T::Io { .. } | T::Invalid(_) => ErrorKind::System,
+            },
+        }
+    }
+
+    /// The rank this error was raised on.
+    pub fn rank(&self) -> Rank {
+        match self {
+            Error::Bootstrap { rank, .. }
+            | Error::Collective { rank, .. }
+            | Error::Mismatch { rank, .. }
+            | Error::InvalidArgument { rank, .. }
+            | Error::Aborted { rank, .. } => *rank,
+        }
+    }
+
+    /// The peer the failure concerns, when one is known.
+    pub fn peer(&self) -> Option<Rank> {
+        match self {
+            Error::Collective { source, .. } => source.peer(),
+            Error::Mismatch { peer, .. } => Some(*peer),
+            _ => None,
         }
     }
 }

@@ -1,7 +1,8 @@
 //! Collective communication for distributed training: AllReduce, AllToAll,
-//! ReduceScatter, AllGather, Broadcast, Reduce and Barrier between processes,
-//! blocking ([`Communicator`]) or not ([`AsyncCommunicator`]), over the
-//! transports of the `transport` crate.
+//! AllToAllv, ReduceScatter, AllGather, Broadcast, Reduce, Barrier and
+//! point-to-point send/recv between processes, blocking ([`Communicator`])
+//! or not ([`AsyncCommunicator`]), over the transports of the `transport`
+//! crate.
 //!
 //! ```no_run
 //! use collectives::{Communicator, ReduceOp};
@@ -15,31 +16,43 @@
 //! # Ok::<(), collectives::Error>(())
 //! ```
 //!
-//! Layers, top to bottom: [`Communicator`] (validation, algorithm choice,
-//! abort on failure) → [`algo`] (each algorithm builds a schedule of sends and
-//! receives) → `schedule` (one executor: pipelining, staging, reduction,
-//! deadlines) → `transport` (bytes between two ranks).
+//! Layers, top to bottom: [`Communicator`] (checks a call's [`CallArgs`],
+//! chooses its algorithm, aborts on failure) → [`algo`] (each algorithm
+//! builds a schedule of sends and receives) → `executor` (the rules:
+//! pipelining, staging, ordering; one bounded progress step at a time) →
+//! `transfers` (its effects: transport connections and memory) →
+//! `transport` (bytes between two ranks).
 
+mod abort;
 pub mod algo;
+mod args;
 pub mod bootstrap;
+mod calls;
 mod communicator;
 mod config;
 mod datatype;
 mod descriptor;
 mod error;
+mod executor;
+mod inflight;
 pub mod log;
 mod mesh;
 mod nonblocking;
 pub mod reduce;
 mod schedule;
+mod selector;
+mod split;
+mod transfers;
 pub mod tuning;
 
+pub use abort::AbortHandle;
+pub use args::{CallArgs, Peer, VarCounts};
 pub use bootstrap::Bootstrap;
 pub use communicator::{Buffers, Communicator};
 pub use config::{parse_algo, parse_seconds, parse_size, Config};
 pub use datatype::{DataType, Element};
-pub use descriptor::{Collective, OpDesc};
-pub use error::{Error, Result};
+pub use descriptor::{CallDesc, Collective};
+pub use error::{Error, ErrorKind, Result};
 pub use nonblocking::{AsyncCommunicator, Handle};
 pub use reduce::ReduceOp;
 pub use transport::Rank;

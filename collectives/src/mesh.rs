@@ -1,7 +1,8 @@
 //! A rank's connections to every other rank: which transport each pair
 //! uses (shared memory within a host, TCP between hosts, unless forced),
 //! and setting them up: each rank dials the lower ranks and accepts the
-//! higher ones, all at once.
+//! higher ones, all at once. Every pair gets one connection per [`Lane`], so
+//! point-to-point messages never queue behind (or between) a collective's.
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -52,9 +53,22 @@ pub(crate) fn listen(
     Ok((listeners, addresses))
 }
 
+/// Independent ordered message streams between each pair of ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Lane {
+    Collective = 0,
+    PointToPoint = 1,
+}
+
+pub(crate) const LANES: usize = 2;
+
+/// A connection to each peer (`None` for ourselves).
+pub(crate) type Conns = Vec<Option<Box<dyn Connection>>>;
+
 /// The connections, and how each was made.
 pub(crate) struct Mesh {
-    pub conns: Vec<Option<Box<dyn Connection>>>,
+    /// By lane, then by peer.
+    pub lanes: [Conns; LANES],
     /// The transport used to reach each rank (`None` for ourselves).
     pub via: Vec<Option<&'static str>>,
     /// The transports some connection uses (all of them in a job of one):
@@ -93,15 +107,19 @@ pub(crate) fn connect(
         })
         .collect::<Result<_, String>>()?;
     let acceptors = spawn_acceptors(listeners, rank, &plan, table.session, deadline);
-    let mut conns: Vec<Option<Box<dyn Connection>>> = (0..plan.len()).map(|_| None).collect();
+    let mut lanes: [Conns; LANES] = std::array::from_fn(|_| (0..plan.len()).map(|_| None).collect());
     let mut first_error = None;
-    for (peer, slot) in conns.iter_mut().enumerate().take(rank) {
+    // A peer's lanes are dialled one after the other, so its acceptor sees
+    // them in lane order.
+    'dial: for peer in 0..rank {
         let t = &available[plan[peer].expect("peers have a transport")];
-        match dial(&**t, table, rank, peer, deadline) {
-            Ok(c) => *slot = Some(c),
-            Err(e) => {
-                first_error = Some(e);
-                break;
+        for lane in &mut lanes {
+            match dial(&**t, table, rank, peer, deadline) {
+                Ok(c) => lane[peer] = Some(c),
+                Err(e) => {
+                    first_error = Some(e);
+                    break 'dial;
+                }
             }
         }
     }
@@ -110,7 +128,10 @@ pub(crate) fn connect(
             .join()
             .map_err(|_| "the accepting thread panicked".to_string())?;
         for (peer, c) in accepted? {
-            conns[peer] = Some(c);
+            let lane = (lanes.iter_mut())
+                .find(|l| l[peer].is_none())
+                .expect("an acceptor takes LANES connections per peer");
+            lane[peer] = Some(c);
         }
     }
     if let Some(e) = first_error {
@@ -129,7 +150,7 @@ pub(crate) fn connect(
     if used.is_empty() {
         used = available.to_vec();
     }
-    Ok(Mesh { conns, via, used })
+    Ok(Mesh { lanes, via, used })
 }
 
 fn has_verbs(p: &crate::bootstrap::rendezvous::PeerInfo) -> bool {
@@ -174,6 +195,7 @@ fn spawn_acceptors(
         .filter_map(|(t, listener)| {
             let expect: Vec<Rank> = (rank + 1..plan.len())
                 .filter(|r| plan[*r] == Some(t))
+                .flat_map(|r| [r; LANES])
                 .collect();
             (!expect.is_empty()).then(|| {
                 std::thread::spawn(move || accept_from(listener, rank, expect, token, deadline))
@@ -190,25 +212,29 @@ fn accept_from(
     deadline: Instant,
 ) -> Result<Accepted, String> {
     let mut got: Accepted = Vec::with_capacity(expect.len());
+    let count = |got: &Accepted, peer| got.iter().filter(|(r, _)| *r == peer).count();
     while got.len() < expect.len() {
         match listener.accept(token, rank, deadline) {
-            Ok((peer, conn)) if expect.contains(&peer) && !got.iter().any(|(r, _)| *r == peer) => {
-                got.push((peer, conn))
-            }
+            Ok((peer, conn)) if count(&got, peer) < count_in(&expect, peer) => got.push((peer, conn)),
             Ok((peer, _)) => {
                 tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
             }
             Err(e) => {
-                let missing: Vec<Rank> = expect
+                let mut missing: Vec<Rank> = expect
                     .iter()
                     .copied()
-                    .filter(|r| !got.iter().any(|(g, _)| g == r))
+                    .filter(|r| count(&got, *r) < count_in(&expect, *r))
                     .collect();
+                missing.dedup();
                 return Err(format!("rank(s) {missing:?} never connected: {e}"));
             }
         }
     }
     Ok(got)
+}
+
+fn count_in(expect: &[Rank], peer: Rank) -> usize {
+    expect.iter().filter(|r| **r == peer).count()
 }
 
 /// One INFO line naming every peer, how it is reached, and its address.

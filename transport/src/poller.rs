@@ -1,5 +1,6 @@
 //! Waiting for progress on several connections at once, with a deadline.
 
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
@@ -53,9 +54,11 @@ impl Poller {
     /// Call after a round in which nothing moved. Returns `Ok(false)` once
     /// nothing has moved for `timeout`, `Ok(true)` otherwise (after spinning,
     /// yielding or sleeping). Busy rounds read no clock: only idle ones do.
-    pub fn idle<'a>(
+    /// A sleep also ends when `extra` (an abort or new-work eventfd) is readable.
+    pub fn idle<'a, 'e>(
         &mut self,
         conns: impl Iterator<Item = &'a mut Box<dyn Connection>>,
+        extra: impl IntoIterator<Item = BorrowedFd<'e>>,
         timeout: Duration,
     ) -> Result<bool> {
         let now = Instant::now();
@@ -68,7 +71,7 @@ impl Poller {
         } else if idle < self.patience {
             std::thread::yield_now();
         } else {
-            sleep_until_ready(conns, timeout - idle)?;
+            sleep_until_ready(conns, extra, timeout - idle)?;
         }
         Ok(true)
     }
@@ -79,13 +82,17 @@ impl Poller {
     }
 }
 
-/// Blocks until one connection's descriptor is ready or `timeout` passes;
-/// returns at once if a connection can progress already.
-fn sleep_until_ready<'a>(
+/// Blocks until one connection's descriptor (or one of `extra`) is ready
+/// or `timeout` passes; returns at once if a connection can progress already.
+fn sleep_until_ready<'a, 'e>(
     conns: impl Iterator<Item = &'a mut Box<dyn Connection>>,
+    extra: impl IntoIterator<Item = BorrowedFd<'e>>,
     timeout: Duration,
 ) -> Result<()> {
-    let mut fds: Vec<PollFd<'_>> = Vec::new();
+    let mut fds: Vec<PollFd<'_>> = (extra.into_iter())
+        .map(|fd| PollFd::from_borrowed_fd(fd, PollFlags::IN))
+        .collect();
+    let extras = fds.len();
     for conn in conns {
         match conn.wake_source() {
             Wake::Idle => {}
@@ -98,12 +105,13 @@ fn sleep_until_ready<'a>(
             }
         }
     }
-    if fds.is_empty() {
-        // Nothing to wake us: the caller waits on itself. Sleep briefly instead
-        // of spinning; its deadline still bounds the wait.
-        std::thread::sleep(timeout.min(Duration::from_millis(1)));
-        return Ok(());
-    }
+    let timeout = if fds.len() == extras {
+        // No connection can wake us: the caller waits on itself. Sleep
+        // briefly instead of spinning; its deadline still bounds the wait.
+        timeout.min(Duration::from_millis(1))
+    } else {
+        timeout
+    };
     let ts = Timespec {
         tv_sec: timeout.as_secs() as i64,
         tv_nsec: timeout.subsec_nanos() as i64,

@@ -57,7 +57,7 @@ fn drive(
     while !done(a.as_ref(), b.as_ref()) {
         if a.progress()? | b.progress()? {
             poller.busy();
-        } else if !poller.idle([&mut *a, &mut *b].into_iter(), Duration::from_secs(10))? {
+        } else if !poller.idle([&mut *a, &mut *b].into_iter(), None, Duration::from_secs(10))? {
             panic!("no progress for 10 s");
         }
     }
@@ -193,7 +193,7 @@ fn a_peer_that_leaves_after_sending_is_not_an_error(make: fn() -> Box<dyn Transp
         } else {
             assert!(
                 poller
-                    .idle([&mut c1].into_iter(), Duration::from_secs(10))
+                    .idle([&mut c1].into_iter(), None, Duration::from_secs(10))
                     .unwrap(),
                 "the send never completed"
             );

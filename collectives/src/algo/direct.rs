@@ -5,7 +5,7 @@
 //! oversubscribed hosts where each ring step waits for a rank to be scheduled.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Action, Buf, OpId, Schedule, Span};
+use crate::schedule::{Action, Buf, StepId, Schedule, Span};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {
@@ -29,7 +29,7 @@ fn build(l: &Layout, s: &mut Schedule) {
             buf: Buf::Input,
             ..c
         };
-        let mut prev: Option<OpId> = None;
+        let mut prev: Option<StepId> = None;
         for q in 0..n {
             let last = q == n - 1;
             let reduce = Action::Reduce {

@@ -107,6 +107,17 @@ mod tests {
             in_place: false,
             root: 0,
             hosts,
+            call: crate::CallDesc {
+                collective: crate::Collective::AllReduce,
+                dtype: crate::DataType::F32,
+                op: Some(crate::ReduceOp::Sum),
+                count: 1 << 16,
+                root: None,
+                seq: 0,
+                comm: 0,
+            },
+            counts: None,
+            peer: None,
         };
         let mut s = Schedule::default();
         build(&l, &mut s);

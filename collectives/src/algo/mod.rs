@@ -8,12 +8,17 @@ mod chain;
 mod direct;
 mod dissemination;
 mod hierarchical;
+mod p2p;
 mod pairwise;
 mod ring;
 mod tree;
 
-use crate::schedule::{Buf, OpId, Schedule, Span};
-use crate::Collective;
+use crate::args::{Peer, VarCounts};
+use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::{CallDesc, Collective};
+
+/// The schedule of a point-to-point call (not a selectable algorithm).
+pub(crate) const POINT_TO_POINT: fn(&Layout, &mut Schedule) = p2p::build;
 
 /// What an algorithm needs to know about the call.
 #[derive(Clone, Copy, Debug)]
@@ -31,6 +36,12 @@ pub(crate) struct Layout<'a> {
     pub root: usize,
     /// The ranks of each host, in rank order.
     pub hosts: &'a [Vec<usize>],
+    /// The call, for algorithms whose messages carry tags of their own.
+    pub call: CallDesc,
+    /// AllToAllv's blocks.
+    pub counts: Option<&'a VarCounts>,
+    /// Point-to-point: the other end.
+    pub peer: Option<Peer>,
 }
 
 impl Layout<'_> {
@@ -81,6 +92,18 @@ impl Layout<'_> {
         (0..range.1.div_ceil(self.chunk)).map(move |k| self.chunk_at(buf, range, k).unwrap())
     }
 
+    /// Like [`chunks`](Self::chunks), but an empty range is one empty span:
+    /// a message that carries only its tag, so a peer expecting data
+    /// learns that none comes (and which count was meant).
+    pub fn messages(&self, buf: Buf, range: (usize, usize)) -> impl Iterator<Item = Span> + '_ {
+        let empty = (range.1 == 0).then_some(Span {
+            buf,
+            offset: range.0,
+            len: 0,
+        });
+        empty.into_iter().chain(self.chunks(buf, range))
+    }
+
     /// Chunk `k` of [`chunks`](Self::chunks), if the range has one.
     pub fn chunk_at(&self, buf: Buf, (offset, len): (usize, usize), k: usize) -> Option<Span> {
         let at = k * self.chunk;
@@ -102,12 +125,12 @@ pub(crate) fn reduce_up(
     c: Span,
     parent: Option<usize>,
     children: &[usize],
-) -> (Option<OpId>, Option<OpId>) {
+) -> (Option<StepId>, Option<StepId>) {
     let mine = Span {
         buf: l.input(),
         ..c
     };
-    let mut reduced: Option<OpId> = None;
+    let mut reduced: Option<StepId> = None;
     for (i, &child) in children.iter().enumerate() {
         let with = (i == 0 && !l.in_place).then_some(mine);
         let finalize = parent.is_none() && i == children.len() - 1;
@@ -138,6 +161,7 @@ pub static ALGORITHMS: &[Algorithm] = &[
     tree::ALLREDUCE,
     hierarchical::ALLREDUCE,
     pairwise::ALLTOALL,
+    pairwise::ALLTOALLV,
     dissemination::BARRIER,
     ring::REDUCE_SCATTER,
     ring::ALLGATHER,

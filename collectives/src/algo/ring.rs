@@ -12,7 +12,7 @@
 //! Each rank sends (n-1)/n of the range per phase: bandwidth-optimal.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, OpId, Schedule, Span};
+use crate::schedule::{Buf, StepId, Schedule, Span};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {
@@ -87,7 +87,7 @@ pub(super) struct Contribution {
     /// `Buf::Input` (out of place), or the output that already holds it.
     pub buf: Buf,
     /// Done before the output may be read or reduced into.
-    pub after: Option<OpId>,
+    pub after: Option<StepId>,
 }
 
 impl Contribution {
@@ -102,13 +102,13 @@ impl Contribution {
 /// What a phase leaves for the next to wait on.
 pub(super) struct Phase {
     /// The final reductions (reduce-scatter), by chunk of the owned block.
-    pub finals: Vec<OpId>,
+    pub finals: Vec<StepId>,
     /// The sends, by step and chunk: a later receive into the same block
     /// must wait for them.
-    pub sends: Vec<Vec<OpId>>,
+    pub sends: Vec<Vec<StepId>>,
     /// The last receive: receives from one peer retire in order, so once it
     /// is done every receive of the phase is.
-    pub last_recv: Option<OpId>,
+    pub last_recv: Option<StepId>,
 }
 
 fn allreduce(l: &Layout, s: &mut Schedule) {
@@ -152,7 +152,7 @@ pub(super) fn reduce_scatter_phase(
 ) -> Phase {
     let (n, m) = (ring.n(), ring.me);
     // Receives of the previous step, by chunk: the sends of this step wait for them.
-    let mut prev_recvs: Vec<OpId> = Vec::new();
+    let mut prev_recvs: Vec<StepId> = Vec::new();
     let mut phase = Phase {
         finals: Vec::new(),
         sends: Vec::with_capacity(n - 1),
@@ -163,7 +163,7 @@ pub(super) fn reduce_scatter_phase(
         let send_block = ring.block(l, m + d + 2 * n - 1 - t);
         let recv_block = ring.block(l, m + d + 2 * n - 2 - t);
         let from = if t == 0 { mine.buf } else { Buf::Output };
-        let sends: Vec<OpId> = l
+        let sends: Vec<StepId> = l
             .chunks(from, send_block)
             .enumerate()
             .map(|(k, c)| {
@@ -195,9 +195,9 @@ pub(super) fn reduce_scatter_phase(
 /// Where the all-gather's first send reads the block it owns.
 pub(super) enum Source<'a> {
     /// The output, once these reductions (by chunk) are done.
-    Reduced(&'a [OpId]),
+    Reduced(&'a [StepId]),
     /// This span, once this op is done.
-    Own(Span, Option<OpId>),
+    Own(Span, Option<StepId>),
 }
 
 /// All-gather steps circulating the block me+d each member owns.
@@ -209,15 +209,15 @@ pub(super) fn all_gather_phase(
     ring: &Ring,
     d: usize,
     first: Source,
-    overwrites: Option<&[Vec<OpId>]>,
+    overwrites: Option<&[Vec<StepId>]>,
 ) -> Phase {
     let (n, m) = (ring.n(), ring.me);
-    let mut prev_recvs: Vec<OpId> = Vec::new();
+    let mut prev_recvs: Vec<StepId> = Vec::new();
     let mut last_recv = None;
     for t in 0..n - 1 {
         let send_block = ring.block(l, m + d + n - t);
         let recv_block = ring.block(l, m + d + 2 * n - 1 - t);
-        let sends: Vec<(Span, Option<OpId>)> = match (t, &first) {
+        let sends: Vec<(Span, Option<StepId>)> = match (t, &first) {
             (0, Source::Own(own, after)) => l
                 .chunks(own.buf, (own.offset, own.len))
                 .map(|c| (c, *after))

@@ -361,6 +361,12 @@ fn fnv1a(bytes: &[u8]) -> u128 {
     h
 }
 
+/// A token derived from `parent` and `salt`: what the members of a split
+/// all compute alike, and nobody else presents.
+pub(crate) fn derive_token(parent: u128, salt: &str) -> u128 {
+    fnv1a(format!("{parent:032x}/{salt}").as_bytes())
+}
+
 /// A fresh random token.
 pub(crate) fn random_token() -> u128 {
     let mut b = [0u8; 16];

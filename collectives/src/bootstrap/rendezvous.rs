@@ -27,6 +27,21 @@ pub struct PeerInfo {
     pub settings: String,
 }
 
+impl PeerInfo {
+    /// This process's info: its host identity and transport addresses.
+    pub(crate) fn new(rank: Rank, addresses: BTreeMap<String, String>, settings: String) -> Self {
+        let (hostname, host_id) = super::host::identity();
+        PeerInfo {
+            rank,
+            hostname,
+            host_id,
+            pid: std::process::id(),
+            addresses,
+            settings,
+        }
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct Join {
     job: String,

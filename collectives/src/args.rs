@@ -1,0 +1,404 @@
+//! One argument struct for every call (UCC's `ucc_coll_args_t`): which
+//! collective, datatype, reduction, root, peer and per-peer counts, and the
+//! shape rules that say which buffers fit it. The communicator, collbench,
+//! the non-blocking layer and the C and Python bindings all ask it, so the
+//! rules are written once.
+
+use transport::Rank;
+
+use crate::{Collective, DataType, ReduceOp};
+
+/// The per-peer blocks of an AllToAllv, in elements: block `j` of the send
+/// buffer (`send_counts[j]` elements from `send_displs[j]`) goes to rank
+/// `j`; block `j` of the receive buffer comes from rank `j`. Rank `i`'s
+/// `send_counts[j]` must equal rank `j`'s `recv_counts[i]`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct VarCounts {
+    pub send_counts: Vec<usize>,
+    pub send_displs: Vec<usize>,
+    pub recv_counts: Vec<usize>,
+    pub recv_displs: Vec<usize>,
+}
+
+impl VarCounts {
+    /// Blocks packed one after another in rank order (torch's
+    /// `all_to_all_single` with split sizes).
+    pub fn packed(send_counts: &[usize], recv_counts: &[usize]) -> Self {
+        VarCounts {
+            send_displs: prefix_sums(send_counts),
+            recv_displs: prefix_sums(recv_counts),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        }
+    }
+
+    /// Elements sent in all.
+    pub fn total_sent(&self) -> usize {
+        self.send_counts.iter().sum()
+    }
+
+    /// Elements received in all.
+    pub fn total_received(&self) -> usize {
+        self.recv_counts.iter().sum()
+    }
+
+    /// Checks the blocks against `n` ranks (this one `rank`) and buffers of
+    /// `send_len` and `recv_len` elements: every block inside its buffer,
+    /// receive blocks not overlapping, this rank's block to itself the
+    /// same size both ways.
+    fn check(&self, rank: Rank, n: usize, send_len: usize, recv_len: usize) -> Result<(), String> {
+        let lists = [
+            ("send_counts", &self.send_counts),
+            ("send_displs", &self.send_displs),
+            ("recv_counts", &self.recv_counts),
+            ("recv_displs", &self.recv_displs),
+        ];
+        if let Some((name, l)) = lists.iter().find(|(_, l)| l.len() != n) {
+            return Err(format!("{name} has {} entries for {n} ranks", l.len()));
+        }
+        if self.send_counts[rank] != self.recv_counts[rank] {
+            return Err(format!(
+                "rank {rank} sends itself {} elements but expects {} from itself",
+                self.send_counts[rank], self.recv_counts[rank]
+            ));
+        }
+        let sides = [
+            ("send", &self.send_counts, &self.send_displs, send_len),
+            ("receive", &self.recv_counts, &self.recv_displs, recv_len),
+        ];
+        for (side, counts, displs, len) in sides {
+            for (j, (&c, &d)) in counts.iter().zip(displs.iter()).enumerate() {
+                if d.checked_add(c).is_none_or(|end| end > len) {
+                    return Err(format!(
+                        "{side} block {j} ({c} elements at {d}) ends beyond the {len}-element {side} buffer"
+                    ));
+                }
+            }
+        }
+        let mut blocks: Vec<(usize, usize, usize)> = (0..n)
+            .filter(|&j| self.recv_counts[j] > 0)
+            .map(|j| (self.recv_displs[j], self.recv_counts[j], j))
+            .collect();
+        blocks.sort_unstable();
+        for w in blocks.windows(2) {
+            if w[0].0 + w[0].1 > w[1].0 {
+                return Err(format!(
+                    "receive blocks from ranks {} and {} overlap",
+                    w[0].2, w[1].2
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn prefix_sums(counts: &[usize]) -> Vec<usize> {
+    counts
+        .iter()
+        .scan(0, |at, c| {
+            let start = *at;
+            *at += c;
+            Some(start)
+        })
+        .collect()
+}
+
+/// Everything about a call but its buffers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CallArgs {
+    pub collective: Collective,
+    pub dtype: DataType,
+    /// The reduction, for the collectives that reduce.
+    pub op: Option<ReduceOp>,
+    /// The root of broadcast and reduce.
+    pub root: Option<Rank>,
+    /// Point-to-point: the rank a `send` goes to, or a `recv` comes from.
+    pub peer: Option<Peer>,
+    /// AllToAllv's blocks.
+    pub counts: Option<VarCounts>,
+}
+
+/// The other end of a point-to-point call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Peer {
+    To(Rank),
+    From(Rank),
+}
+
+impl Peer {
+    pub fn rank(self) -> Rank {
+        match self {
+            Peer::To(r) | Peer::From(r) => r,
+        }
+    }
+}
+
+impl CallArgs {
+    /// A call of `collective` on `dtype` elements, no reduction or root yet.
+    pub fn new(collective: Collective, dtype: DataType) -> Self {
+        CallArgs {
+            collective,
+            dtype,
+            op: None,
+            root: None,
+            peer: None,
+            counts: None,
+        }
+    }
+
+    pub fn op(mut self, op: ReduceOp) -> Self {
+        self.op = Some(op);
+        self
+    }
+
+    pub fn root(mut self, root: Rank) -> Self {
+        self.root = Some(root);
+        self
+    }
+
+    pub fn send_to(dtype: DataType, peer: Rank) -> Self {
+        CallArgs {
+            peer: Some(Peer::To(peer)),
+            ..Self::new(Collective::PointToPoint, dtype)
+        }
+    }
+
+    pub fn recv_from(dtype: DataType, peer: Rank) -> Self {
+        CallArgs {
+            peer: Some(Peer::From(peer)),
+            ..Self::new(Collective::PointToPoint, dtype)
+        }
+    }
+
+    pub fn all_to_all_v(dtype: DataType, counts: VarCounts) -> Self {
+        CallArgs {
+            counts: Some(counts),
+            ..Self::new(Collective::AllToAllV, dtype)
+        }
+    }
+
+    /// The send and receive buffer lengths, in elements, that NCCL's
+    /// `count` argument stands for on `n` ranks: per peer for AllToAll,
+    /// the receive block for ReduceScatter, the send block for AllGather,
+    /// the whole buffer otherwise. AllToAllv's come from its counts.
+    pub fn nccl_lengths(&self, count: usize, n: usize) -> Option<(usize, usize)> {
+        let times_n = |c: usize| c.checked_mul(n);
+        Some(match self.collective {
+            Collective::AllToAll => (times_n(count)?, times_n(count)?),
+            Collective::ReduceScatter => (times_n(count)?, count),
+            Collective::AllGather => (count, times_n(count)?),
+            Collective::Barrier => (0, 0),
+            Collective::AllToAllV => {
+                let c = self.counts.as_ref()?;
+                let end = |counts: &[usize], displs: &[usize]| {
+                    (counts.iter().zip(displs))
+                        .map(|(c, d)| c.checked_add(*d))
+                        .try_fold(0usize, |m, e| Some(m.max(e?)))
+                };
+                (
+                    end(&c.send_counts, &c.send_displs)?,
+                    end(&c.recv_counts, &c.recv_displs)?,
+                )
+            }
+            Collective::PointToPoint => match self.peer? {
+                Peer::To(_) => (count, 0),
+                Peer::From(_) => (0, count),
+            },
+            _ => (count, count),
+        })
+    }
+
+    /// Whether NCCL's buffer addresses mean in place: `send == recv`, or,
+    /// as NCCL defines it, AllGather's send block at block `rank` of the
+    /// receive buffer and ReduceScatter's receive block at block `rank` of
+    /// the send buffer (`count` as in [`nccl_lengths`](Self::nccl_lengths)).
+    pub fn nccl_in_place(&self, send: usize, recv: usize, count: usize, rank: Rank) -> bool {
+        let block = count.saturating_mul(self.dtype.size()).saturating_mul(rank);
+        match self.collective {
+            Collective::AllGather => send == recv.wrapping_add(block),
+            Collective::ReduceScatter => recv == send.wrapping_add(block),
+            Collective::PointToPoint => false,
+            _ => send == recv,
+        }
+    }
+
+    /// Checks the call on `n` ranks (this one `rank`) with `input` (`None`
+    /// in place) and `output`, before any byte moves. Returns the count
+    /// the call's tag carries: elements of the larger buffer (AllToAllv:
+    /// elements sent).
+    pub fn check(
+        &self,
+        rank: Rank,
+        n: usize,
+        input: Option<&[u8]>,
+        output: &[u8],
+    ) -> Result<u64, String> {
+        let (collective, dtype, elem) = (self.collective, self.dtype, self.dtype.size());
+        if collective.reduces() != self.op.is_some() {
+            let need = if self.op.is_some() {
+                "not used here"
+            } else {
+                "needed"
+            };
+            return Err(format!("{collective}: a reduction op is {need}"));
+        }
+        match self.root {
+            Some(_) if !collective.rooted() => return Err(format!("{collective} has no root")),
+            Some(root) if root >= n => {
+                return Err(format!(
+                    "{collective}: root {root} is not a rank of the {n}"
+                ))
+            }
+            None if collective.rooted() => return Err(format!("{collective} needs a root")),
+            _ => {}
+        }
+        self.check_peer(rank, n, input)?;
+        for b in input.into_iter().chain([output]) {
+            if b.len() % elem != 0 {
+                return Err(format!(
+                    "{collective}: {} bytes is not a whole number of {dtype} elements",
+                    b.len()
+                ));
+            }
+            if !b.is_empty() && b.as_ptr() as usize % elem != 0 {
+                return Err(format!(
+                    "{collective}: buffer at {:p} is not aligned for {dtype}",
+                    b.as_ptr()
+                ));
+            }
+        }
+        let count = match &self.counts {
+            Some(c) => {
+                let send = input.ok_or(format!(
+                    "{collective} runs out of place only (send and receive blocks differ)"
+                ))?;
+                c.check(rank, n, send.len() / elem, output.len() / elem)
+                    .map_err(|e| format!("{collective}: {e}"))?;
+                c.total_sent()
+            }
+            None if collective == Collective::AllToAllV => {
+                return Err(format!("{collective} needs per-peer counts"))
+            }
+            None => self.check_uniform(n, input, output)?,
+        };
+        if count as u64 > crate::CallDesc::MAX_COUNT {
+            return Err(format!("{collective}: {count} elements is too many"));
+        }
+        Ok(count as u64)
+    }
+
+    fn check_peer(&self, rank: Rank, n: usize, input: Option<&[u8]>) -> Result<(), String> {
+        let collective = self.collective;
+        match (collective, self.peer) {
+            (Collective::PointToPoint, None) => Err("send/recv needs a peer".into()),
+            (Collective::PointToPoint, Some(p)) if p.rank() >= n => {
+                Err(format!("peer {} is not a rank of the {n}", p.rank()))
+            }
+            (Collective::PointToPoint, Some(p)) if p.rank() == rank => Err(format!(
+                "rank {rank} cannot send to or receive from itself outside a group"
+            )),
+            (Collective::PointToPoint, Some(Peer::To(_))) if input.is_none() => {
+                Err("send: no send buffer".into())
+            }
+            (Collective::PointToPoint, Some(Peer::From(_))) if input.is_some() => {
+                Err("recv: a send buffer is not used here".into())
+            }
+            (Collective::PointToPoint, _) => Ok(()),
+            (_, Some(_)) => Err(format!("{collective} has no peer")),
+            (_, None) => Ok(()),
+        }
+    }
+
+    /// Same-shape collectives: returns elements of the larger buffer.
+    fn check_uniform(&self, n: usize, input: Option<&[u8]>, output: &[u8]) -> Result<usize, String> {
+        let (collective, elem) = (self.collective, self.dtype.size());
+        if collective == Collective::PointToPoint {
+            return Ok(input.map_or(output.len(), <[u8]>::len) / elem);
+        }
+        // The one buffer of an in-place call, or the send buffer's length
+        // relative to the receive buffer's.
+        let (smaller, factor) = match collective {
+            Collective::ReduceScatter => (input.map(|_| output.len()), n),
+            Collective::AllGather => (input.map(<[u8]>::len), n),
+            _ => (input.map(<[u8]>::len), 1),
+        };
+        let larger = input.map_or(output.len(), |i| i.len().max(output.len()));
+        if let (Some(input), Some(smaller)) = (input, smaller) {
+            if smaller * factor != larger || input.len().min(output.len()) != smaller {
+                let rule = match factor {
+                    1 => "equal".to_string(),
+                    _ => format!("the larger {n} times the smaller (one block per rank)"),
+                };
+                return Err(format!(
+                    "{collective}: send buffer has {} bytes, receive buffer {}; they must be {rule}",
+                    input.len(),
+                    output.len()
+                ));
+            }
+        }
+        if collective.blocks() && (larger / elem) % n != 0 {
+            return Err(format!(
+                "{collective}: count {} is not divisible by the {n} ranks (one block per rank)",
+                larger / elem,
+            ));
+        }
+        Ok(larger / elem)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn var_counts_are_checked() {
+        let c = VarCounts::packed(&[1, 0, 2], &[2, 2, 0]);
+        assert_eq!(c.send_displs, [0, 1, 1]);
+        assert_eq!(c.recv_displs, [0, 2, 4]);
+        assert!(c.check(2, 3, 3, 4).unwrap_err().contains("sends itself 2"));
+        assert!(c.check(1, 3, 3, 4).is_err());
+        let c = VarCounts::packed(&[1, 2, 2], &[2, 2, 0]);
+        assert!(c.check(1, 3, 5, 4).is_ok());
+        assert!(c.check(1, 3, 4, 4).unwrap_err().contains("send block 2"));
+        assert!(c.check(1, 2, 5, 4).unwrap_err().contains("3 entries for 2 ranks"));
+        let overlapping = VarCounts {
+            recv_displs: vec![0, 1, 4],
+            ..c.clone()
+        };
+        assert!(overlapping
+            .check(1, 3, 5, 5)
+            .unwrap_err()
+            .contains("ranks 0 and 1 overlap"));
+    }
+
+    #[test]
+    fn nccl_lengths_and_in_place() {
+        let ag = CallArgs::new(Collective::AllGather, DataType::F32);
+        assert_eq!(ag.nccl_lengths(10, 4), Some((10, 40)));
+        assert!(ag.nccl_in_place(1000 + 2 * 40, 1000, 10, 2));
+        assert!(!ag.nccl_in_place(1000, 1000, 10, 2));
+        let rs = CallArgs::new(Collective::ReduceScatter, DataType::F64).op(ReduceOp::Sum);
+        assert_eq!(rs.nccl_lengths(3, 2), Some((6, 3)));
+        assert!(rs.nccl_in_place(64, 64 + 24, 3, 1));
+        assert_eq!(
+            CallArgs::new(Collective::AllToAll, DataType::U8).nccl_lengths(usize::MAX, 2),
+            None
+        );
+        let send = CallArgs::send_to(DataType::U8, 1);
+        assert_eq!(send.nccl_lengths(5, 4), Some((5, 0)));
+    }
+
+    #[test]
+    fn shapes_are_checked() {
+        let ar = CallArgs::new(Collective::AllReduce, DataType::F32);
+        let (a, mut b) = ([0u32; 4], [0u32; 3]);
+        let (a, b) = (bytemuck::cast_slice(&a), bytemuck::cast_slice_mut(&mut b));
+        assert!(ar.check(0, 2, Some(a), b).unwrap_err().contains("op is needed"));
+        let ar = ar.op(ReduceOp::Sum);
+        assert!(ar.check(0, 2, Some(a), b).unwrap_err().contains("must be equal"));
+        assert_eq!(ar.check(0, 2, None, b), Ok(3));
+        let p2p = CallArgs::send_to(DataType::F32, 0);
+        assert!(p2p.check(0, 2, Some(a), &mut []).unwrap_err().contains("itself"));
+        assert_eq!(CallArgs::send_to(DataType::F32, 1).check(0, 2, Some(a), &mut []), Ok(4));
+    }
+}

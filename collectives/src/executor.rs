@@ -1,0 +1,469 @@
+//! The one executor: the rules that decide which step of a [`Schedule`] may
+//! be posted or retired next, and nothing else. What posting or retiring
+//! does (a send on a connection, a reduction into memory) is behind the
+//! [`Effects`] trait, so blocking calls, non-blocking ones, groups and
+//! aborts all drive this same state machine, one bounded
+//! [`progress`](Execution::progress) step at a time.
+//!
+//! The rules: steps of one peer and direction form a queue, posted in
+//! schedule order; a queue keeps up to `depth` receives (and a deeper window
+//! of sends) in flight; a staged receive gets a staging slot only in
+//! schedule order (a slot held for a later exchange could starve the one
+//! both ends need now); a step waits for its `after` step before it touches
+//! its span; a staged receive's action (reduce or copy) runs as soon as it
+//! landed and its `after` is done, so the receive of chunk k+1 overlaps the
+//! reduction of chunk k; local copies run once the first sends are out, so
+//! peers start reading while this rank copies its own block.
+
+use transport::Rank;
+
+use crate::schedule::{Action, Kind, Schedule, Span, Step, StepId};
+
+/// What carrying out the rules does to the world: posting transfers,
+/// moving bytes, reducing and copying memory.
+pub(crate) trait Effects {
+    /// Names a posted transfer until it completes.
+    type Token: Copy;
+
+    /// Posts `step`'s transfer: into staging slot `slot` for staged
+    /// receives, else on `step.span`.
+    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<Self::Token>;
+
+    /// Whether the transfer `token` on the connection to `peer` completed.
+    fn is_done(&mut self, peer: Rank, token: Self::Token) -> transport::Result<bool>;
+
+    /// Moves bytes on the connections to the peers flagged in `involved`;
+    /// whether anything moved.
+    fn progress(&mut self, involved: &[bool]) -> transport::Result<bool>;
+
+    /// `span (action)= from`.
+    fn apply(&mut self, action: Action, span: Span, from: Source);
+
+    /// `to = from`, both spans of the caller's buffers.
+    fn copy(&mut self, from: Span, to: Span);
+}
+
+/// Where an action's operand comes from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Source {
+    /// A staging slot holding a landed receive.
+    Slot(usize),
+    /// This rank's own data.
+    Local(Span),
+}
+
+/// How many transfers a queue keeps in flight.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Windows {
+    pub sends: usize,
+    /// Receives; staged ones are further bounded by the staging slots.
+    pub recvs: usize,
+    /// Staging slots available to this execution.
+    pub slots: usize,
+}
+
+/// What one [`progress`](Execution::progress) step achieved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Progress {
+    /// Every step is done.
+    Done,
+    /// Something moved; step again.
+    Moved,
+    /// Nothing moved: wait for a connection before stepping again.
+    Idle,
+}
+
+/// The step an unfinished execution waits on, for errors and diagnostics.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Waiting {
+    pub peer: Rank,
+    pub send: bool,
+    /// 1-based position of the step in its queue, and the queue's length.
+    pub index: usize,
+    pub of: usize,
+    pub bytes: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum State<T> {
+    Waiting,
+    Posted(T, Option<usize>),
+    /// A staged receive that completed; its action waits for `after`.
+    Landed(usize),
+    Done,
+}
+
+/// Steps of one peer and direction, in posting order: `order[start..start + len]`.
+#[derive(Debug)]
+struct Queue {
+    peer: Rank,
+    sends: bool,
+    start: usize,
+    len: usize,
+    posted: usize,
+    done: usize,
+}
+
+/// One schedule in execution: its queues and the state of every step. Its
+/// memory is reused by the next [`start`](Self::start), so a small call
+/// allocates nothing.
+pub(crate) struct Execution<T> {
+    queues: Vec<Queue>,
+    /// Step ids grouped by queue (a counting sort of the schedule).
+    order: Vec<StepId>,
+    /// Per rank, its send and receive queue's index (`usize::MAX`: none).
+    queue_of: Vec<[usize; 2]>,
+    locals: Vec<StepId>,
+    /// The peers some step exchanges with.
+    involved: Vec<bool>,
+    state: Vec<State<T>>,
+    free_slots: Vec<usize>,
+    /// Staged receives in schedule order, and the next one to get a slot.
+    staged: Vec<StepId>,
+    next_staged: usize,
+    remaining: usize,
+    copied: bool,
+    windows: Windows,
+}
+
+impl<T> Default for Execution<T> {
+    fn default() -> Self {
+        Execution {
+            queues: Vec::new(),
+            order: Vec::new(),
+            queue_of: Vec::new(),
+            locals: Vec::new(),
+            involved: Vec::new(),
+            state: Vec::new(),
+            free_slots: Vec::new(),
+            staged: Vec::new(),
+            next_staged: 0,
+            remaining: 0,
+            copied: false,
+            windows: Windows {
+                sends: 1,
+                recvs: 1,
+                slots: 0,
+            },
+        }
+    }
+}
+
+impl<T: Copy> Execution<T> {
+    /// Prepares to run `sched` among `npeers` ranks.
+    pub fn start(&mut self, sched: &Schedule, npeers: usize, windows: Windows) {
+        self.windows = windows;
+        self.group_into_queues(sched, npeers);
+        let steps = &sched.steps;
+        self.state.clear();
+        self.state.resize(steps.len(), State::Waiting);
+        self.free_slots.clear();
+        self.free_slots.extend((0..windows.slots).rev());
+        self.staged.clear();
+        self.staged
+            .extend((0..steps.len()).filter(|id| matches!(steps[*id].kind, Kind::Staged(_))));
+        self.next_staged = 0;
+        self.remaining = steps.len();
+        self.copied = false;
+    }
+
+    fn group_into_queues(&mut self, sched: &Schedule, npeers: usize) {
+        let steps = &sched.steps;
+        self.queue_of.clear();
+        self.queue_of.resize(npeers, [usize::MAX; 2]);
+        self.queues.clear();
+        self.locals.clear();
+        for (id, step) in steps.iter().enumerate() {
+            if matches!(step.kind, Kind::Local(..)) {
+                self.locals.push(id);
+                continue;
+            }
+            let qi = &mut self.queue_of[step.peer][usize::from(step.is_send())];
+            if *qi == usize::MAX {
+                *qi = self.queues.len();
+                self.queues.push(Queue {
+                    peer: step.peer,
+                    sends: step.is_send(),
+                    start: 0,
+                    len: 0,
+                    posted: 0,
+                    done: 0,
+                });
+            }
+            self.queues[*qi].len += 1;
+        }
+        let mut start = 0;
+        for q in &mut self.queues {
+            q.start = start;
+            start += q.len;
+        }
+        self.order.clear();
+        self.order.resize(start, 0);
+        for (id, step) in steps.iter().enumerate() {
+            if !matches!(step.kind, Kind::Local(..)) {
+                let q = &mut self.queues[self.queue_of[step.peer][usize::from(step.is_send())]];
+                self.order[q.start + q.posted] = id;
+                q.posted += 1;
+            }
+        }
+        self.queues.iter_mut().for_each(|q| q.posted = 0);
+        self.involved.clear();
+        self.involved.resize(npeers, false);
+        for q in &self.queues {
+            self.involved[q.peer] = true;
+        }
+    }
+
+    /// The peers this execution exchanges with, as flags by rank.
+    pub fn involved(&self) -> &[bool] {
+        &self.involved
+    }
+
+    /// One bounded step: post what may be posted, move bytes, retire what
+    /// completed, run the actions whose turn has come. Errors name the
+    /// peer; on error some transfers may still be posted, so the caller
+    /// must abort the connections before the buffers go away.
+    pub fn progress<E: Effects<Token = T>>(
+        &mut self,
+        sched: &Schedule,
+        fx: &mut E,
+    ) -> transport::Result<Progress> {
+        let mut moved = false;
+        for qi in 0..self.queues.len() {
+            moved |= self.post_ready(qi, sched, fx)?;
+        }
+        moved |= fx.progress(&self.involved)?;
+        if !self.copied {
+            for &(from, to) in &sched.copies {
+                fx.copy(from, to);
+            }
+            self.copied = true;
+        }
+        for qi in 0..self.queues.len() {
+            moved |= self.complete_ready(qi, sched, fx)?;
+        }
+        moved |= self.run_locals(sched, fx);
+        Ok(match (self.remaining, moved) {
+            (0, _) => Progress::Done,
+            (_, true) => Progress::Moved,
+            (_, false) => Progress::Idle,
+        })
+    }
+
+    /// Posts queue `qi`'s next steps while its window, `after` edges and
+    /// the staging slots allow.
+    fn post_ready<E: Effects<Token = T>>(
+        &mut self,
+        qi: usize,
+        sched: &Schedule,
+        fx: &mut E,
+    ) -> transport::Result<bool> {
+        let q = &self.queues[qi];
+        // Sends only point into the caller's memory, so they get a deeper
+        // window than receives, whose depth is bounded by the staging slots:
+        // a peer busy copying one chunk then finds the next ones published.
+        let window = if q.sends {
+            self.windows.sends
+        } else {
+            self.windows.recvs
+        };
+        let mut moved = false;
+        loop {
+            let q = &self.queues[qi];
+            if q.posted == q.len || q.posted - q.done >= window {
+                break;
+            }
+            let id = self.order[q.start + q.posted];
+            let step = &sched.steps[id];
+            let slot = match step.kind {
+                Kind::Send | Kind::Recv if self.done(step.after) => None,
+                Kind::Staged(_)
+                    if !self.free_slots.is_empty()
+                        && self.staged.get(self.next_staged) == Some(&id) =>
+                {
+                    self.next_staged += 1;
+                    self.free_slots.pop()
+                }
+                _ => break,
+            };
+            let token = fx.post(step, slot)?;
+            self.state[id] = State::Posted(token, slot);
+            self.queues[qi].posted += 1;
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    /// Retires queue `qi`'s completed steps in order, applying staged actions.
+    fn complete_ready<E: Effects<Token = T>>(
+        &mut self,
+        qi: usize,
+        sched: &Schedule,
+        fx: &mut E,
+    ) -> transport::Result<bool> {
+        let mut moved = false;
+        loop {
+            let q = &self.queues[qi];
+            if q.done == q.posted {
+                break;
+            }
+            let id = self.order[q.start + q.done];
+            let step = &sched.steps[id];
+            match self.state[id] {
+                State::Posted(token, slot) => {
+                    if !fx.is_done(step.peer, token)? {
+                        break;
+                    }
+                    moved = true;
+                    if let Some(slot) = slot {
+                        self.state[id] = State::Landed(slot);
+                        continue;
+                    }
+                }
+                State::Landed(slot) => {
+                    if !self.done(step.after) {
+                        break;
+                    }
+                    let Kind::Staged(action) = step.kind else {
+                        unreachable!("only staged receives land")
+                    };
+                    fx.apply(action, step.span, Source::Slot(slot));
+                    self.free_slots.push(slot);
+                }
+                State::Waiting | State::Done => unreachable!("queue cursor out of step"),
+            }
+            self.state[id] = State::Done;
+            self.remaining -= 1;
+            self.queues[qi].done += 1;
+        }
+        Ok(moved)
+    }
+
+    /// Applies the local steps whose turn has come, in schedule order.
+    fn run_locals<E: Effects<Token = T>>(&mut self, sched: &Schedule, fx: &mut E) -> bool {
+        let mut ran = false;
+        let mut i = 0;
+        while i < self.locals.len() {
+            let id = self.locals[i];
+            let step = &sched.steps[id];
+            if !self.done(step.after) {
+                i += 1;
+                continue;
+            }
+            let Kind::Local(action, from) = step.kind else {
+                unreachable!("only local steps")
+            };
+            fx.apply(action, step.span, Source::Local(from));
+            self.state[id] = State::Done;
+            self.remaining -= 1;
+            self.locals.remove(i);
+            ran = true;
+        }
+        ran
+    }
+
+    fn done(&self, step: Option<StepId>) -> bool {
+        step.is_none_or(|id| matches!(self.state[id], State::Done))
+    }
+
+    /// What this execution waits on: the first unfinished receive (what a
+    /// silent peer starves), else the first unfinished send.
+    pub fn waiting_on(&self, sched: &Schedule) -> Option<Waiting> {
+        let q = (self.queues.iter())
+            .filter(|q| q.done < q.len)
+            .min_by_key(|q| q.sends)?;
+        let step = &sched.steps[self.order[q.start + q.done]];
+        Some(Waiting {
+            peer: q.peer,
+            send: q.sends,
+            index: q.done + 1,
+            of: q.len,
+            bytes: step.span.len,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schedule::Buf;
+
+    /// Effects on a log: transfers complete on the step after posting.
+    #[derive(Default)]
+    struct Log {
+        posted: Vec<(Rank, bool, Option<usize>)>,
+        applied: Vec<(usize, Option<usize>)>,
+        round: usize,
+        pending: Vec<(usize, usize)>,
+    }
+
+    impl Effects for Log {
+        type Token = usize;
+        fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<usize> {
+            self.posted.push((step.peer, step.is_send(), slot));
+            self.pending.push((self.posted.len() - 1, self.round));
+            Ok(self.posted.len() - 1)
+        }
+        fn is_done(&mut self, _: Rank, token: usize) -> transport::Result<bool> {
+            Ok(self
+                .pending
+                .iter()
+                .any(|&(t, r)| t == token && r < self.round))
+        }
+        fn progress(&mut self, _: &[bool]) -> transport::Result<bool> {
+            self.round += 1;
+            Ok(false)
+        }
+        fn apply(&mut self, _: Action, span: Span, from: Source) {
+            let slot = match from {
+                Source::Slot(s) => Some(s),
+                Source::Local(_) => None,
+            };
+            self.applied.push((span.offset, slot));
+        }
+        fn copy(&mut self, _: Span, _: Span) {}
+    }
+
+    fn span(offset: usize) -> Span {
+        Span {
+            buf: Buf::Output,
+            offset,
+            len: 8,
+        }
+    }
+
+    #[test]
+    fn windows_slots_and_after_edges_are_respected() {
+        let mut s = Schedule::default();
+        // Three staged receives from rank 1 with one slot, reduced in order,
+        // and a send that waits for the last reduction.
+        let mut last = None;
+        for k in 0..3 {
+            last = Some(s.recv_reduce(1, span(8 * k), None, false, last));
+        }
+        s.send(1, span(0), last);
+        let mut e = Execution::default();
+        e.start(
+            &s,
+            2,
+            Windows {
+                sends: 4,
+                recvs: 4,
+                slots: 1,
+            },
+        );
+        let mut fx = Log::default();
+        let mut steps = 0;
+        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
+            steps += 1;
+            assert!(steps < 100, "never finished");
+        }
+        // One slot: each receive is posted only after the previous one
+        // was reduced, and the send only after all three.
+        let kinds: Vec<bool> = fx.posted.iter().map(|p| p.1).collect();
+        assert_eq!(kinds, [false, false, false, true]);
+        assert!(fx.posted[..3].iter().all(|p| p.2 == Some(0)));
+        assert_eq!(fx.applied, [(0, Some(0)), (8, Some(0)), (16, Some(0))]);
+        assert!(e.waiting_on(&s).is_none());
+    }
+}

@@ -1,0 +1,480 @@
+//! Calls in flight on one communicator. A call is started (checked, given
+//! its sequence number), runs (its schedule stepped by the executor) and
+//! finishes; several can be in flight at once, all driven by the same
+//! executor step:
+//!
+//! * collectives run one at a time, in start order, on the collective lane
+//!   (their messages to a peer must not interleave); a collective started
+//!   while another runs is queued;
+//! * point-to-point calls run at once on their own lane, each one message
+//!   posted whole in its first step, so messages of one pair stay in start
+//!   order however many are in flight.
+//!
+//! A blocking call is `start` then `wait`; the non-blocking layer starts
+//! calls as they come and steps them all while its caller computes.
+
+use std::os::fd::BorrowedFd;
+
+use transport::{Poller, Request};
+
+use crate::algo::{self, Layout};
+use crate::args::CallArgs;
+use crate::descriptor::{CallDesc, Collective};
+use crate::executor::{Execution, Progress, Windows};
+use crate::mesh::{Lane, LANES};
+use crate::schedule::Schedule;
+use crate::transfers::{self, Region, Transfers};
+use crate::{Communicator, Error, ReduceOp, Result};
+
+/// A call started on a communicator, until its result is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CallId(u64);
+
+/// A caller's buffer by address (the caller keeps it alive and untouched
+/// until the call finishes).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RawBuf {
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: a RawBuf names memory its call reserved until it finishes; only
+// the thread that owns the communicator dereferences it.
+unsafe impl Send for RawBuf {}
+
+impl RawBuf {
+    pub fn of(b: &[u8]) -> Self {
+        RawBuf {
+            ptr: b.as_ptr().cast_mut(),
+            len: b.len(),
+        }
+    }
+
+    /// # Safety
+    /// The memory must be valid for `len` bytes.
+    unsafe fn bytes<'a>(self) -> &'a [u8] {
+        // SAFETY: the caller's promise; an empty slice needs no memory.
+        unsafe { std::slice::from_raw_parts(self.ptr_or_dangling(), self.len) }
+    }
+
+    fn ptr_or_dangling(self) -> *mut u8 {
+        if self.len == 0 {
+            std::ptr::dangling_mut()
+        } else {
+            self.ptr
+        }
+    }
+}
+
+enum State {
+    /// A collective waiting for the one before it.
+    Queued,
+    Running(Box<Running>),
+    Finished(Result<()>),
+}
+
+struct Call {
+    id: CallId,
+    args: CallArgs,
+    desc: CallDesc,
+    input: Option<RawBuf>,
+    output: RawBuf,
+    state: State,
+}
+
+/// A running call's schedule, execution and registered buffers; kept for
+/// reuse when it finishes, so a small call allocates nothing.
+#[derive(Default)]
+struct Running {
+    sched: Schedule,
+    exec: Execution<Request>,
+    lane: usize,
+    input: Option<Region>,
+    output: Option<Region>,
+    /// An out-of-place reduce-scatter reduces in a whole-size buffer of
+    /// ours and copies this rank's block here when done.
+    copy_out: Option<RawBuf>,
+}
+
+/// The calls in flight, in start order.
+pub(crate) struct InFlight {
+    next_id: u64,
+    calls: Vec<Call>,
+    spare: Vec<Box<Running>>,
+    poller: Poller,
+    /// Per lane and peer: whether a running call waits on the connection.
+    involved: [Vec<bool>; LANES],
+}
+
+impl InFlight {
+    pub fn new(spin: std::time::Duration) -> Self {
+        InFlight {
+            next_id: 0,
+            calls: Vec::new(),
+            spare: Vec::new(),
+            poller: Poller::new(spin, Poller::DEFAULT_PATIENCE),
+            involved: Default::default(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// Fails every unfinished call with `reason`; their buffers are free
+    /// once the connections were aborted.
+    pub fn fail_all(&mut self, rank: usize, reason: &str) {
+        for c in &mut self.calls {
+            if !matches!(c.state, State::Finished(_)) {
+                if let State::Running(r) = std::mem::replace(&mut c.state, State::Queued) {
+                    self.spare.push(r);
+                }
+                c.state = State::Finished(Err(Error::Aborted {
+                    rank,
+                    reason: reason.to_string(),
+                }));
+            }
+        }
+    }
+}
+
+impl Communicator {
+    /// Starts a call on `input` (`None` in place) and `output`: checks it,
+    /// gives it its sequence number and queues or runs it. Argument errors
+    /// come back at once (the sequence number is used up all the same, so
+    /// a rank that goes on is caught by its peers' next call).
+    ///
+    /// # Safety
+    /// The buffers must stay valid, and untouched by anyone else, until the
+    /// call is finished: [`wait`](Self::wait) returned for it, or the
+    /// communicator was aborted or dropped.
+    pub(crate) unsafe fn start(
+        &mut self,
+        args: &CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+    ) -> Result<CallId> {
+        if let Some(reason) = self.aborted() {
+            self.close(&reason);
+            return Err(Error::Aborted {
+                rank: self.rank(),
+                reason,
+            });
+        }
+        let seq = self.next_seq(args.peer);
+        // SAFETY: the caller's promise.
+        let (i, o) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
+        let count = (args.check(self.rank(), self.size(), i, o)).map_err(|message| {
+            Error::InvalidArgument {
+                rank: self.rank(),
+                message,
+            }
+        })?;
+        let desc = CallDesc {
+            collective: args.collective,
+            dtype: args.dtype,
+            op: args.op,
+            count,
+            root: args.root.map(|r| u16::try_from(r).unwrap_or(u16::MAX)),
+            seq,
+            comm: self.session as u8,
+        };
+        // Nothing to move (as in NCCL and MPI); barriers, point-to-point and
+        // AllToAllv (whose peers may expect blocks) always run.
+        let skip = count == 0
+            && !matches!(
+                args.collective,
+                Collective::Barrier | Collective::PointToPoint | Collective::AllToAllV
+            );
+        let id = CallId(self.inflight.next_id);
+        self.inflight.next_id += 1;
+        self.inflight.calls.push(Call {
+            id,
+            args: args.clone(),
+            desc,
+            input,
+            output,
+            state: if skip {
+                State::Finished(Ok(()))
+            } else {
+                State::Queued
+            },
+        });
+        self.begin_ready();
+        Ok(id)
+    }
+
+    /// The result of `id` if it finished (the call is then forgotten).
+    pub(crate) fn take_result(&mut self, id: CallId) -> Option<Result<()>> {
+        let at = self.inflight.calls.iter().position(|c| c.id == id)?;
+        if !matches!(self.inflight.calls[at].state, State::Finished(_)) {
+            return None;
+        }
+        match self.inflight.calls.remove(at).state {
+            State::Finished(r) => Some(r),
+            _ => unreachable!(),
+        }
+    }
+
+    /// Drives every call in flight until `id` finished, and returns its result.
+    pub(crate) fn wait(&mut self, id: CallId) -> Result<()> {
+        loop {
+            if let Some(result) = self.take_result(id) {
+                return result;
+            }
+            if !self.step_all() {
+                self.idle(None);
+            }
+        }
+    }
+
+    /// One executor step of every running call. Returns whether anything
+    /// moved (or finished).
+    pub(crate) fn step_all(&mut self) -> bool {
+        if let Some(reason) = self.abort.reason() {
+            self.close(&reason);
+            return true;
+        }
+        let mut moved = false;
+        for at in 0..self.inflight.calls.len() {
+            let call = &mut self.inflight.calls[at];
+            let State::Running(run) = &mut call.state else {
+                continue;
+            };
+            let desc = call.desc;
+            let mut fx = Transfers {
+                peers: &mut self.lanes[run.lane],
+                input: run.input.as_ref(),
+                output: run.output.as_ref().expect("a running call has its output"),
+                staging: &self.staging,
+                dtype: desc.dtype,
+                op: desc.op.unwrap_or(ReduceOp::Sum),
+                nranks: self.size,
+                tag: desc.tag(),
+            };
+            match run.exec.progress(&run.sched, &mut fx) {
+                Ok(Progress::Idle) => {}
+                Ok(Progress::Moved) => moved = true,
+                Ok(Progress::Done) => {
+                    moved = true;
+                    self.finish(at, Ok(()));
+                }
+                Err(e) => {
+                    let e = Error::collective(self.rank, desc, e);
+                    self.fail(at, e);
+                    return true;
+                }
+            }
+        }
+        if moved {
+            self.inflight.poller.busy();
+            self.begin_ready();
+        }
+        moved
+    }
+
+    /// Waits for a connection of a running call (or `extra`) to be ready,
+    /// after spinning and yielding; fails the oldest running call once
+    /// nothing moved for the timeout.
+    pub(crate) fn idle(&mut self, extra: Option<BorrowedFd<'_>>) {
+        let Some(oldest) = (self.inflight.calls.iter())
+            .position(|c| matches!(c.state, State::Running(_)))
+        else {
+            return;
+        };
+        for (lane, flags) in self.inflight.involved.iter_mut().enumerate() {
+            flags.clear();
+            flags.resize(self.size, false);
+            for c in &self.inflight.calls {
+                if let State::Running(r) = &c.state {
+                    if r.lane == lane {
+                        (flags.iter_mut().zip(r.exec.involved())).for_each(|(f, i)| *f |= *i);
+                    }
+                }
+            }
+        }
+        let involved = &self.inflight.involved;
+        let conns = (self.lanes.iter_mut().zip(involved))
+            .flat_map(|(lane, flags)| lane.iter_mut().zip(flags))
+            .filter(|(_, i)| **i)
+            .filter_map(|(c, _)| c.as_mut());
+        let wake = [self.abort.wake_fd()];
+        let extra = extra.into_iter().chain(wake);
+        let timeout = self.config.timeout;
+        match self.inflight.poller.idle(conns, extra, timeout) {
+            Ok(true) => {}
+            Ok(false) => {
+                let call = &self.inflight.calls[oldest];
+                let State::Running(run) = &call.state else {
+                    unreachable!()
+                };
+                let waited = self.inflight.poller.idle_for();
+                let e = transfers::timeout_error(&run.exec, &run.sched, waited);
+                let e = Error::collective(self.rank, call.desc, e);
+                self.fail(oldest, e);
+            }
+            Err(e) => {
+                let e = Error::collective(self.rank, self.inflight.calls[oldest].desc, e);
+                self.fail(oldest, e);
+            }
+        }
+    }
+
+    /// Call `at` failed with `e`: the communicator is aborted (telling the
+    /// peers why) and every other call fails with it.
+    fn fail(&mut self, at: usize, e: Error) {
+        let reason = root_cause(&e);
+        self.finish(at, Err(e));
+        self.close(&reason);
+    }
+
+    fn finish(&mut self, at: usize, result: Result<()>) {
+        let ok = result.is_ok();
+        let state = std::mem::replace(&mut self.inflight.calls[at].state, State::Finished(result));
+        if let State::Running(mut run) = state {
+            if let (Some(out), true) = (run.copy_out, ok) {
+                // The reduce-scatter's whole-size buffer holds every block.
+                let whole = bytemuck::cast_slice::<u64, u8>(&self.reduce_scatter_buf);
+                let (mine, len) = (self.rank * out.len, out.len);
+                // SAFETY: `out` is the caller's receive buffer of `len` bytes,
+                // still reserved for this call.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.ptr_or_dangling(), len) };
+                out.copy_from_slice(&whole[mine..mine + len]);
+            }
+            run.input = None;
+            run.output = None;
+            self.inflight.spare.push(run);
+        }
+    }
+
+    /// Runs every call whose turn has come: all point-to-point calls, and
+    /// the oldest unfinished collective once nothing is ahead of it.
+    fn begin_ready(&mut self) {
+        let mut collective_busy = false;
+        for at in 0..self.inflight.calls.len() {
+            let call = &self.inflight.calls[at];
+            let p2p = call.args.collective == Collective::PointToPoint;
+            match call.state {
+                State::Running(_) if !p2p => collective_busy = true,
+                State::Queued if p2p || !collective_busy => {
+                    if !p2p {
+                        collective_busy = true;
+                    }
+                    if let Err(e) = self.begin(at) {
+                        self.fail(at, e);
+                        return;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// Chooses the call's algorithm, builds its schedule, registers its
+    /// buffers and starts its execution.
+    fn begin(&mut self, at: usize) -> Result<()> {
+        let rank = self.rank;
+        let call = &mut self.inflight.calls[at];
+        let (desc, peer, counts) = (call.desc, call.args.peer, call.args.counts.take());
+        let (mut input, mut output) = (call.input, call.output);
+        let elem = desc.dtype.size();
+        let larger = input.map_or(0, |b| b.len).max(output.len);
+        let (build, in_place_ok, lane, windows) = match desc.collective {
+            Collective::PointToPoint => (algo::POINT_TO_POINT, true, Lane::PointToPoint, Windows {
+                sends: usize::MAX,
+                recvs: usize::MAX,
+                slots: 0,
+            }),
+            c => {
+                let algo = self.selector.choose_cached(&self.config, c, larger)?;
+                let windows = Windows {
+                    sends: transfers::SEND_WINDOW.max(self.config.depth),
+                    recvs: self.config.depth,
+                    slots: self.staging.slots,
+                };
+                (algo.build, algo.in_place, Lane::Collective, windows)
+            }
+        };
+        let mut copy_out = None;
+        if let (Some(send), Collective::ReduceScatter) = (input, desc.collective) {
+            grow(&mut self.reduce_scatter_buf, send.len);
+            copy_out = Some(output);
+            output = RawBuf {
+                ptr: self.reduce_scatter_buf.as_mut_ptr().cast(),
+                len: send.len,
+            };
+        }
+        if input.is_none() && !in_place_ok {
+            // An algorithm that cannot run in place gets a copy of the input.
+            grow(&mut self.scratch, output.len);
+            let copy = &mut bytemuck::cast_slice_mut(&mut self.scratch)[..output.len];
+            // SAFETY: the caller's buffer, reserved for this call.
+            copy.copy_from_slice(unsafe { output.bytes() });
+            input = Some(RawBuf::of(copy));
+        }
+        let layout = Layout {
+            rank,
+            size: self.size,
+            count: desc.count as usize,
+            elem,
+            chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
+            in_place: input.is_none(),
+            root: desc.root.map_or(0, usize::from),
+            hosts: &self.hosts,
+            call: desc,
+            counts: counts.as_ref(),
+            peer,
+        };
+        let mut run = self.inflight.spare.pop().unwrap_or_default();
+        run.sched.clear();
+        build(&layout, &mut run.sched);
+        tracing::debug!(rank, call = %desc, chunk = layout.chunk, steps = run.sched.len(), "start");
+        self.inflight.calls[at].args.counts = counts;
+        run.input = match input {
+            Some(b) => Some(self.region(b).map_err(|e| Error::collective(rank, desc, e))?),
+            None => None,
+        };
+        run.output = Some(self.region(output).map_err(|e| Error::collective(rank, desc, e))?);
+        run.lane = lane as usize;
+        run.copy_out = copy_out;
+        run.exec.start(&run.sched, self.size, windows);
+        self.inflight.calls[at].state = State::Running(run);
+        Ok(())
+    }
+
+    /// `b` as the executor sees it: registered with every transport in use
+    /// (or found in the registration cache).
+    fn region(&self, b: RawBuf) -> transport::Result<Region> {
+        let ptr = b.ptr_or_dangling();
+        let mr = match self.registrations.lookup(ptr, b.len) {
+            Some(mr) => mr,
+            None => transport::register_all(self.transports.iter().map(|t| &**t), ptr, b.len)?,
+        };
+        Ok(Region {
+            ptr,
+            len: b.len,
+            mr,
+        })
+    }
+}
+
+/// Makes `buf` hold at least `bytes` bytes.
+fn grow(buf: &mut Vec<u64>, bytes: usize) {
+    let words = bytes.div_ceil(8);
+    if buf.len() < words {
+        buf.resize(words, 0);
+    }
+}
+
+/// What to tell the peers when `e` aborts us: a peer's own abort reason is
+/// passed on as it came, so every rank names the first failure, one level deep.
+pub(crate) fn root_cause(e: &Error) -> String {
+    match e {
+        Error::Collective {
+            source: transport::Error::PeerAborted { reason, .. },
+            ..
+        } => reason.clone(),
+        Error::Aborted { reason, .. } => reason.clone(),
+        e => e.to_string(),
+    }
+}

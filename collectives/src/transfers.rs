@@ -1,0 +1,221 @@
+//! The executor's effects on the real world: transfers posted on transport
+//! connections, reductions and copies in the caller's memory and in the
+//! registered staging slots.
+
+use std::time::Duration;
+
+use transport::{Connection, MemRegion, Rank, Request, Tag};
+
+use crate::executor::{Effects, Execution, Source};
+use crate::reduce;
+use crate::schedule::{Action, Buf, Kind, Schedule, Span, Step};
+use crate::{DataType, ReduceOp};
+
+/// Sends in flight per peer (receives are bounded by the pipeline depth).
+pub(crate) const SEND_WINDOW: usize = 16;
+
+/// A caller buffer as the executor sees it.
+pub(crate) struct Region {
+    pub ptr: *mut u8,
+    pub len: usize,
+    pub mr: MemRegion,
+}
+
+// SAFETY: a Region names memory its call reserved until it finishes; only
+// the thread that owns the communicator dereferences it.
+unsafe impl Send for Region {}
+
+/// Chunk-sized receive slots, registered once and reused by every call.
+pub(crate) struct Staging {
+    storage: Vec<u64>,
+    mr: MemRegion,
+    pub slot_bytes: usize,
+    pub slots: usize,
+}
+
+impl Staging {
+    pub fn new(
+        transports: &[&dyn transport::Transport],
+        slot_bytes: usize,
+        slots: usize,
+    ) -> transport::Result<Self> {
+        // u64 storage keeps every slot aligned for any datatype.
+        let slot_bytes = slot_bytes.next_multiple_of(64);
+        let mut storage = vec![0u64; slot_bytes * slots / 8];
+        let mr = transport::register_all(
+            transports.iter().copied(),
+            storage.as_mut_ptr().cast(),
+            slot_bytes * slots,
+        )?;
+        Ok(Staging {
+            storage,
+            mr,
+            slot_bytes,
+            slots,
+        })
+    }
+
+    /// The bytes of `slot`'s first `len` bytes.
+    fn slot(&self, slot: usize, len: usize) -> &[u8] {
+        &bytemuck::cast_slice(&self.storage)[slot * self.slot_bytes..][..len]
+    }
+}
+
+/// Everything a schedule's steps act on.
+pub(crate) struct Transfers<'a> {
+    pub peers: &'a mut [Option<Box<dyn Connection>>],
+    /// `None` for in-place calls.
+    pub input: Option<&'a Region>,
+    pub output: &'a Region,
+    pub staging: &'a Staging,
+    pub dtype: DataType,
+    pub op: ReduceOp,
+    pub nranks: usize,
+    /// The call's tag, for steps without one of their own.
+    pub tag: Tag,
+}
+
+impl Effects for Transfers<'_> {
+    type Token = Request;
+
+    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<Request> {
+        let (mr, offset) = match slot {
+            Some(slot) => {
+                if step.span.len > self.staging.slot_bytes {
+                    return Err(transport::Error::Invalid(format!(
+                        "a staged receive of {} bytes exceeds the {}-byte staging slots",
+                        step.span.len, self.staging.slot_bytes
+                    )));
+                }
+                (&self.staging.mr, slot * self.staging.slot_bytes)
+            }
+            None => (&self.region(step.span.buf).mr, step.span.offset),
+        };
+        let mr = mr.clone();
+        let tag = step.tag.unwrap_or(self.tag);
+        let conn = connection(self.peers, step.peer)?;
+        // SAFETY: the span or slot stays valid for the whole call (the
+        // caller aborts the connections before returning on error), and
+        // the schedule's `after` edges keep anyone else off these bytes
+        // until the request completes.
+        unsafe {
+            match step.kind {
+                Kind::Send => conn.isend(&mr, offset, step.span.len, tag),
+                _ => conn.irecv(&mr, offset, step.span.len, tag),
+            }
+        }
+    }
+
+    fn is_done(&mut self, peer: Rank, token: Request) -> transport::Result<bool> {
+        Ok(connection(self.peers, peer)?.is_done(token))
+    }
+
+    fn progress(&mut self, involved: &[bool]) -> transport::Result<bool> {
+        let mut moved = false;
+        for conn in involved_connections(self.peers, involved) {
+            moved |= conn.progress()?;
+        }
+        Ok(moved)
+    }
+
+    fn apply(&mut self, action: Action, span: Span, from: Source) {
+        let src = match from {
+            // The slot holds a completed receive; no request targets it
+            // until the executor frees it after this.
+            Source::Slot(slot) => self.staging.slot(slot, span.len),
+            Source::Local(from) => self.span(from),
+        };
+        let dst = self.span_mut(span);
+        match action {
+            Action::Copy => dst.copy_from_slice(src),
+            Action::Reduce { with, finalize } => {
+                match with {
+                    None => reduce::reduce_into(self.dtype, self.op, dst, src),
+                    Some(w) => reduce::reduce_to(self.dtype, self.op, dst, self.span(w), src),
+                }
+                if finalize {
+                    reduce::finalize(self.dtype, self.op, dst, self.nranks);
+                }
+            }
+        }
+    }
+
+    fn copy(&mut self, from: Span, to: Span) {
+        self.span_mut(to).copy_from_slice(self.span(from));
+    }
+}
+
+impl Transfers<'_> {
+    fn region(&self, buf: Buf) -> &Region {
+        match (buf, self.input) {
+            (Buf::Input, Some(input)) => input,
+            _ => self.output,
+        }
+    }
+
+    fn span(&self, span: Span) -> &[u8] {
+        let r = self.region(span.buf);
+        assert!(span.offset + span.len <= r.len);
+        // SAFETY: in bounds (checked); input spans are never written, and the
+        // schedule keeps receives off any span while it is read here.
+        unsafe { std::slice::from_raw_parts(r.ptr.add(span.offset), span.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)] // the buffer is reached through a raw pointer
+    fn span_mut(&self, span: Span) -> &mut [u8] {
+        assert_eq!(span.buf, Buf::Output, "only the output buffer is written");
+        let r = self.output;
+        assert!(span.offset + span.len <= r.len);
+        // SAFETY: in bounds (checked); the schedule's `after` edges guarantee
+        // no posted request reads or writes this span while it is written,
+        // and `with` spans live in the distinct input buffer.
+        unsafe { std::slice::from_raw_parts_mut(r.ptr.add(span.offset), span.len) }
+    }
+}
+
+/// The error of an execution that saw no progress for `waited`: it names
+/// the step it waits on (the first unfinished receive: what a silent peer
+/// starves).
+pub(crate) fn timeout_error(
+    exec: &Execution<Request>,
+    sched: &Schedule,
+    waited: Duration,
+) -> transport::Error {
+    let w = exec
+        .waiting_on(sched)
+        .expect("an unfinished execution waits on something");
+    let (what, dir) = if w.send {
+        ("send", "to")
+    } else {
+        ("receive", "from")
+    };
+    transport::Error::Timeout {
+        peer: w.peer,
+        waited,
+        waiting_for: format!(
+            "{what} {} of {} {dir} it, {} bytes, not complete",
+            w.index, w.of, w.bytes
+        ),
+    }
+}
+
+fn involved_connections<'b>(
+    peers: &'b mut [Option<Box<dyn Connection>>],
+    involved: &'b [bool],
+) -> impl Iterator<Item = &'b mut Box<dyn Connection>> + 'b {
+    peers
+        .iter_mut()
+        .zip(involved)
+        .filter(|(_, inv)| **inv)
+        .filter_map(|(c, _)| c.as_mut())
+}
+
+fn connection(
+    peers: &mut [Option<Box<dyn Connection>>],
+    peer: Rank,
+) -> transport::Result<&mut Box<dyn Connection>> {
+    peers
+        .get_mut(peer)
+        .and_then(|c| c.as_mut())
+        .ok_or_else(|| transport::Error::Invalid(format!("no connection to rank {peer}")))
+}
