@@ -2,11 +2,11 @@
 //! the executor checks on every step, the reason, and an eventfd that wakes
 //! an executor sleeping in `poll` at once.
 
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use rustix::event::{eventfd, EventfdFlags};
+use crate::doorbell::Doorbell;
 
 /// Fires an abort of the communicator it came from
 /// ([`Communicator::abort_handle`](crate::Communicator::abort_handle)).
@@ -36,16 +36,15 @@ impl AbortHandle {
 pub(crate) struct AbortFlag {
     set: AtomicBool,
     reason: Mutex<Option<String>>,
-    wake: OwnedFd,
+    wake: Doorbell,
 }
 
 impl AbortFlag {
     pub fn new() -> std::io::Result<Arc<Self>> {
-        let wake = eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
         Ok(Arc::new(AbortFlag {
             set: AtomicBool::new(false),
             reason: Mutex::new(None),
-            wake,
+            wake: Doorbell::new()?,
         }))
     }
 
@@ -59,8 +58,8 @@ impl AbortFlag {
             *r = Some(reason.to_string());
         }
         self.set.store(true, Ordering::Release);
-        // The eventfd stays readable from now on: a sleeping poll returns.
-        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        // The doorbell stays readable from now on: a sleeping poll returns.
+        self.wake.ring();
     }
 
     /// The reason, once fired. One atomic load while it is not.
@@ -68,11 +67,14 @@ impl AbortFlag {
         if !self.set.load(Ordering::Acquire) {
             return None;
         }
-        self.reason.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.reason
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Readable once fired: the poller sleeps on it beside the connections.
     pub fn wake_fd(&self) -> BorrowedFd<'_> {
-        self.wake.as_fd()
+        self.wake.fd()
     }
 }

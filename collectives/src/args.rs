@@ -310,7 +310,12 @@ impl CallArgs {
     }
 
     /// Same-shape collectives: returns elements of the larger buffer.
-    fn check_uniform(&self, n: usize, input: Option<&[u8]>, output: &[u8]) -> Result<usize, String> {
+    fn check_uniform(
+        &self,
+        n: usize,
+        input: Option<&[u8]>,
+        output: &[u8],
+    ) -> Result<usize, String> {
         let (collective, elem) = (self.collective, self.dtype.size());
         if collective == Collective::PointToPoint {
             return Ok(input.map_or(output.len(), <[u8]>::len) / elem);
@@ -360,7 +365,10 @@ mod tests {
         let c = VarCounts::packed(&[1, 2, 2], &[2, 2, 0]);
         assert!(c.check(1, 3, 5, 4).is_ok());
         assert!(c.check(1, 3, 4, 4).unwrap_err().contains("send block 2"));
-        assert!(c.check(1, 2, 5, 4).unwrap_err().contains("3 entries for 2 ranks"));
+        assert!(c
+            .check(1, 2, 5, 4)
+            .unwrap_err()
+            .contains("3 entries for 2 ranks"));
         let overlapping = VarCounts {
             recv_displs: vec![0, 1, 4],
             ..c.clone()
@@ -393,12 +401,24 @@ mod tests {
         let ar = CallArgs::new(Collective::AllReduce, DataType::F32);
         let (a, mut b) = ([0u32; 4], [0u32; 3]);
         let (a, b) = (bytemuck::cast_slice(&a), bytemuck::cast_slice_mut(&mut b));
-        assert!(ar.check(0, 2, Some(a), b).unwrap_err().contains("op is needed"));
+        assert!(ar
+            .check(0, 2, Some(a), b)
+            .unwrap_err()
+            .contains("op is needed"));
         let ar = ar.op(ReduceOp::Sum);
-        assert!(ar.check(0, 2, Some(a), b).unwrap_err().contains("must be equal"));
+        assert!(ar
+            .check(0, 2, Some(a), b)
+            .unwrap_err()
+            .contains("must be equal"));
         assert_eq!(ar.check(0, 2, None, b), Ok(3));
         let p2p = CallArgs::send_to(DataType::F32, 0);
-        assert!(p2p.check(0, 2, Some(a), &mut []).unwrap_err().contains("itself"));
-        assert_eq!(CallArgs::send_to(DataType::F32, 1).check(0, 2, Some(a), &mut []), Ok(4));
+        assert!(p2p
+            .check(0, 2, Some(a), &mut [])
+            .unwrap_err()
+            .contains("itself"));
+        assert_eq!(
+            CallArgs::send_to(DataType::F32, 1).check(0, 2, Some(a), &mut []),
+            Ok(4)
+        );
     }
 }

@@ -94,7 +94,10 @@ impl Communicator {
 
     /// All-gather where each rank's contribution is already block `rank` of `buf`.
     pub fn all_gather_in_place<T: Element>(&mut self, buf: &mut [T]) -> Result<()> {
-        self.call(&CallArgs::new(Collective::AllGather, T::DTYPE), in_place(buf))
+        self.call(
+            &CallArgs::new(Collective::AllGather, T::DTYPE),
+            in_place(buf),
+        )
     }
 
     /// Every rank's `buf` becomes rank `root`'s.
@@ -113,7 +116,9 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        let args = CallArgs::new(Collective::Reduce, T::DTYPE).op(op).root(root);
+        let args = CallArgs::new(Collective::Reduce, T::DTYPE)
+            .op(op)
+            .root(root);
         self.call(&args, Buffers::typed(send, recv))
     }
 
@@ -124,7 +129,9 @@ impl Communicator {
         op: ReduceOp,
         root: Rank,
     ) -> Result<()> {
-        let args = CallArgs::new(Collective::Reduce, T::DTYPE).op(op).root(root);
+        let args = CallArgs::new(Collective::Reduce, T::DTYPE)
+            .op(op)
+            .root(root);
         self.call(&args, in_place(buf))
     }
 

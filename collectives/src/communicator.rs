@@ -379,11 +379,17 @@ impl Communicator {
             std::slice::from_raw_parts(if len == 0 { std::ptr::dangling() } else { p }, len)
         };
         let slice_mut = |p: *mut u8, len: usize| unsafe {
-            let p = if len == 0 { std::ptr::dangling_mut() } else { p };
+            let p = if len == 0 {
+                std::ptr::dangling_mut()
+            } else {
+                p
+            };
             std::slice::from_raw_parts_mut(p, len)
         };
         let bufs = match (in_place, args.collective) {
-            (true, Collective::ReduceScatter) => Buffers::InPlace(slice_mut(send.cast_mut(), send_len)),
+            (true, Collective::ReduceScatter) => {
+                Buffers::InPlace(slice_mut(send.cast_mut(), send_len))
+            }
             (true, _) => Buffers::InPlace(slice_mut(recv, recv_len)),
             (false, _) => Buffers::OutOfPlace {
                 send: slice(send, send_len),
@@ -404,7 +410,7 @@ impl Communicator {
         // SAFETY: the borrows keep both buffers alive and to ourselves until
         // `wait` returns, which is when the call has finished (or failed
         // and the connections were aborted).
-        let id = unsafe { self.start(args, input.map(RawBuf::of), RawBuf::of(output))? };
+        let id = unsafe { self.start(args, input.map(RawBuf::of), RawBuf::of_mut(output))? };
         self.wait(id)
     }
 

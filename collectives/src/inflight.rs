@@ -43,9 +43,18 @@ pub(crate) struct RawBuf {
 unsafe impl Send for RawBuf {}
 
 impl RawBuf {
+    /// A buffer the call only reads.
     pub fn of(b: &[u8]) -> Self {
         RawBuf {
             ptr: b.as_ptr().cast_mut(),
+            len: b.len(),
+        }
+    }
+
+    /// A buffer the call writes.
+    pub fn of_mut(b: &mut [u8]) -> Self {
+        RawBuf {
+            ptr: b.as_mut_ptr(),
             len: b.len(),
         }
     }
@@ -115,10 +124,6 @@ impl InFlight {
             poller: Poller::new(spin, Poller::DEFAULT_PATIENCE),
             involved: Default::default(),
         }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.calls.is_empty()
     }
 
     /// Fails every unfinished call with `reason`; their buffers are free
@@ -277,8 +282,8 @@ impl Communicator {
     /// after spinning and yielding; fails the oldest running call once
     /// nothing moved for the timeout.
     pub(crate) fn idle(&mut self, extra: Option<BorrowedFd<'_>>) {
-        let Some(oldest) = (self.inflight.calls.iter())
-            .position(|c| matches!(c.state, State::Running(_)))
+        let Some(oldest) =
+            (self.inflight.calls.iter()).position(|c| matches!(c.state, State::Running(_)))
         else {
             return;
         };
@@ -380,11 +385,16 @@ impl Communicator {
         let elem = desc.dtype.size();
         let larger = input.map_or(0, |b| b.len).max(output.len);
         let (build, in_place_ok, lane, windows) = match desc.collective {
-            Collective::PointToPoint => (algo::POINT_TO_POINT, true, Lane::PointToPoint, Windows {
-                sends: usize::MAX,
-                recvs: usize::MAX,
-                slots: 0,
-            }),
+            Collective::PointToPoint => (
+                algo::POINT_TO_POINT,
+                true,
+                Lane::PointToPoint,
+                Windows {
+                    sends: usize::MAX,
+                    recvs: usize::MAX,
+                    slots: 0,
+                },
+            ),
             c => {
                 let algo = self.selector.choose_cached(&self.config, c, larger)?;
                 let windows = Windows {
@@ -431,10 +441,16 @@ impl Communicator {
         tracing::debug!(rank, call = %desc, chunk = layout.chunk, steps = run.sched.len(), "start");
         self.inflight.calls[at].args.counts = counts;
         run.input = match input {
-            Some(b) => Some(self.region(b).map_err(|e| Error::collective(rank, desc, e))?),
+            Some(b) => Some(
+                self.region(b)
+                    .map_err(|e| Error::collective(rank, desc, e))?,
+            ),
             None => None,
         };
-        run.output = Some(self.region(output).map_err(|e| Error::collective(rank, desc, e))?);
+        run.output = Some(
+            self.region(output)
+                .map_err(|e| Error::collective(rank, desc, e))?,
+        );
         run.lane = lane as usize;
         run.copy_out = copy_out;
         run.exec.start(&run.sched, self.size, windows);

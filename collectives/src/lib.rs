@@ -32,6 +32,7 @@ mod communicator;
 mod config;
 mod datatype;
 mod descriptor;
+mod doorbell;
 mod error;
 mod executor;
 mod inflight;

@@ -107,7 +107,8 @@ pub(crate) fn connect(
         })
         .collect::<Result<_, String>>()?;
     let acceptors = spawn_acceptors(listeners, rank, &plan, table.session, deadline);
-    let mut lanes: [Conns; LANES] = std::array::from_fn(|_| (0..plan.len()).map(|_| None).collect());
+    let mut lanes: [Conns; LANES] =
+        std::array::from_fn(|_| (0..plan.len()).map(|_| None).collect());
     let mut first_error = None;
     // A peer's lanes are dialled one after the other, so its acceptor sees
     // them in lane order.
@@ -215,7 +216,9 @@ fn accept_from(
     let count = |got: &Accepted, peer| got.iter().filter(|(r, _)| *r == peer).count();
     while got.len() < expect.len() {
         match listener.accept(token, rank, deadline) {
-            Ok((peer, conn)) if count(&got, peer) < count_in(&expect, peer) => got.push((peer, conn)),
+            Ok((peer, conn)) if count(&got, peer) < count_in(&expect, peer) => {
+                got.push((peer, conn))
+            }
             Ok((peer, _)) => {
                 tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
             }

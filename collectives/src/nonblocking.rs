@@ -1,6 +1,10 @@
-//! Non-blocking collectives: a progress thread owns the [`Communicator`] and
-//! runs operations in the order they were started while the caller computes;
-//! each start returns a [`Handle`] to wait on or test.
+//! Non-blocking calls: a progress thread owns the [`Communicator`], starts
+//! each call as it arrives and steps every call in flight while the caller
+//! computes; each start returns a [`Handle`] to wait on or test.
+//! Collectives run in start order among themselves (every rank starts the
+//! same sequence); point-to-point calls progress at once, concurrently with
+//! each other and with collectives, matched in order per pair of ranks, so
+//! `isend(next); irecv(prev)` completes at any size.
 //!
 //! Buffers are moved in and handed back by the handle, so the borrow checker
 //! guarantees nobody touches them while they are in flight (the role MPI
@@ -17,16 +21,40 @@
 //! ```
 
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
-use crate::{Communicator, Element, Error, Rank, ReduceOp, Result};
+use crate::args::{CallArgs, VarCounts};
+use crate::doorbell::Doorbell;
+use crate::inflight::{CallId, RawBuf};
+use crate::{
+    AbortHandle, Buffers, Collective, Communicator, DataType, Element, Error, Rank, ReduceOp,
+    Result,
+};
 
-type Job = Box<dyn FnOnce(&mut Communicator) + Send>;
+/// What the progress thread is asked to do.
+enum Job {
+    /// Start a call on buffers kept alive by `done`, which receives the result.
+    Call {
+        args: CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+        done: Reply,
+    },
+    /// Run a closure on the communicator, between steps.
+    Run(Box<dyn FnOnce(&mut Communicator) + Send>),
+}
 
-/// A communicator whose collectives run on a background thread, one after
-/// another in start order (every rank must start the same sequence).
+/// Hands a call's result (and its buffers) back to its handle.
+type Reply = Box<dyn FnOnce(Result<()>) + Send>;
+
+/// A communicator whose calls run on a background thread (see the module
+/// docs for the order they run in).
 pub struct AsyncCommunicator {
     jobs: Option<mpsc::Sender<Job>>,
+    doorbell: Arc<Doorbell>,
+    abort: AbortHandle,
     thread: Option<JoinHandle<Communicator>>,
     rank: Rank,
     size: usize,
@@ -51,11 +79,17 @@ impl<T> Handle<T> {
 
     /// Whether the operation is done (then [`wait`](Self::wait) returns at once).
     pub fn test(&mut self) -> bool {
+        self.wait_for(Duration::ZERO)
+    }
+
+    /// Waits up to `timeout` for the operation; whether it is done. Lets a
+    /// caller that must stay responsive (to signals, say) wait in slices.
+    pub fn wait_for(&mut self, timeout: Duration) -> bool {
         if self.done.is_none() {
-            self.done = match self.result.try_recv() {
+            self.done = match self.result.recv_timeout(timeout) {
                 Ok(r) => Some(r),
-                Err(mpsc::TryRecvError::Empty) => None,
-                Err(mpsc::TryRecvError::Disconnected) => Some(Err(gone(self.rank))),
+                Err(mpsc::RecvTimeoutError::Timeout) => None,
+                Err(mpsc::RecvTimeoutError::Disconnected) => Some(Err(gone(self.rank))),
             };
         }
         self.done.is_some()
@@ -72,20 +106,18 @@ fn gone(rank: Rank) -> Error {
 impl AsyncCommunicator {
     /// Moves `comm` onto a progress thread of its own.
     pub fn new(comm: Communicator) -> Self {
-        let (rank, size) = (comm.rank(), comm.size());
+        let (rank, size, abort) = (comm.rank(), comm.size(), comm.abort_handle());
+        let doorbell = Arc::new(Doorbell::new().expect("eventfd for the progress thread"));
         let (jobs, queue) = mpsc::channel::<Job>();
+        let bell = doorbell.clone();
         let thread = std::thread::Builder::new()
             .name(format!("coll-progress-{rank}"))
-            .spawn(move || {
-                let mut comm = comm;
-                for job in queue {
-                    job(&mut comm);
-                }
-                comm
-            })
+            .spawn(move || progress(comm, queue, &bell))
             .expect("cannot start the progress thread");
         AsyncCommunicator {
             jobs: Some(jobs),
+            doorbell,
+            abort,
             thread: Some(thread),
             rank,
             size,
@@ -100,19 +132,38 @@ impl AsyncCommunicator {
         self.size
     }
 
-    /// Starts `f` on the progress thread after every operation started before.
+    /// Aborts the communicator from this thread: every call in flight and
+    /// every later one fails, and the peers are told (see [`AbortHandle`]).
+    pub fn abort(&self, reason: &str) {
+        self.abort.abort(reason);
+    }
+
+    pub fn abort_handle(&self) -> AbortHandle {
+        self.abort.clone()
+    }
+
+    fn post_job(&self, job: Job) {
+        let jobs = self.jobs.as_ref().expect("jobs is only taken on drop");
+        // A send fails only if the thread is gone; the handle then says so.
+        let _ = jobs.send(job);
+        self.doorbell.ring();
+    }
+
+    /// Runs `f` on the progress thread after every call started before it
+    /// has started (calls in flight go on progressing while `f` blocks).
     pub fn submit<R: Send + 'static>(
         &self,
         f: impl FnOnce(&mut Communicator) -> Result<R> + Send + 'static,
     ) -> Handle<R> {
         let (tx, result) = mpsc::channel();
-        let job: Job = Box::new(move |comm| {
+        self.post_job(Job::Run(Box::new(move |comm| {
             // The caller may have dropped the handle: nothing to tell then.
             let _ = tx.send(f(comm));
-        });
-        let jobs = self.jobs.as_ref().expect("jobs is only taken on drop");
-        // A send fails only if the thread is gone; the handle then says so.
-        let _ = jobs.send(job);
+        })));
+        self.handle(result)
+    }
+
+    fn handle<T>(&self, result: mpsc::Receiver<Result<T>>) -> Handle<T> {
         Handle {
             result,
             done: None,
@@ -120,42 +171,127 @@ impl AsyncCommunicator {
         }
     }
 
+    /// Starts the call `args` on `bufs` (see [`Communicator::call`]), which
+    /// `keep` owns; the handle gives `out(keep)` when the call finished.
+    fn start_owned<K: Send + 'static, R: Send + 'static>(
+        &self,
+        args: CallArgs,
+        (input, output): (Option<RawBuf>, RawBuf),
+        keep: K,
+        out: fn(K) -> R,
+    ) -> Handle<R> {
+        let (tx, result) = mpsc::channel();
+        let done: Reply = Box::new(move |r| {
+            let _ = tx.send(r.map(|()| out(keep)));
+        });
+        self.post_job(Job::Call {
+            args,
+            input,
+            output,
+            done,
+        });
+        self.handle(result)
+    }
+
+    /// Starts the call `args` on caller-owned byte buffers.
+    ///
+    /// # Safety
+    /// The buffers must stay valid and untouched until the handle reports
+    /// the call done (or this communicator is dropped, which waits for it).
+    pub unsafe fn start_bytes(&self, args: CallArgs, bufs: Buffers<'_>) -> Handle<()> {
+        let raw = match bufs {
+            Buffers::InPlace(b) => (None, RawBuf::of_mut(b)),
+            Buffers::OutOfPlace { send, recv } => (Some(RawBuf::of(send)), RawBuf::of_mut(recv)),
+        };
+        self.start_owned(args, raw, (), same)
+    }
+
     /// In-place AllReduce of `buf`.
     pub fn all_reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Handle<Vec<T>> {
-        self.submit(move |c| c.all_reduce_in_place(&mut buf, op).map(|()| buf))
+        let args = CallArgs::new(Collective::AllReduce, T::DTYPE).op(op);
+        // The Vec's heap buffer does not move when the Vec does.
+        let bufs = (None, raw_mut(&mut buf));
+        self.start_owned(args, bufs, buf, same)
     }
 
     /// In-place AllToAll of `buf`.
     pub fn all_to_all<T: Element>(&self, mut buf: Vec<T>) -> Handle<Vec<T>> {
-        self.submit(move |c| c.all_to_all_in_place(&mut buf).map(|()| buf))
+        let args = CallArgs::new(Collective::AllToAll, T::DTYPE);
+        let bufs = (None, raw_mut(&mut buf));
+        self.start_owned(args, bufs, buf, same)
+    }
+
+    /// AllToAllv of `send` into a new buffer of `counts.total_received()`
+    /// elements (with `counts`' displacements, it may need more: the end of
+    /// the last receive block).
+    pub fn all_to_all_v<T: Element>(&self, send: Vec<T>, counts: VarCounts) -> Handle<Vec<T>> {
+        let len = (counts.recv_counts.iter().zip(&counts.recv_displs))
+            .map(|(c, d)| c + d)
+            .max()
+            .unwrap_or(0);
+        let mut recv = vec![T::zeroed(); len];
+        let args = CallArgs::all_to_all_v(T::DTYPE, counts);
+        let bufs = (Some(raw(&send)), raw_mut(&mut recv));
+        self.start_owned(args, bufs, (send, recv), |(_, recv)| recv)
     }
 
     /// AllGather of `send` (one block) into a new buffer of `size` blocks.
     pub fn all_gather<T: Element>(&self, send: Vec<T>) -> Handle<Vec<T>> {
-        let n = self.size;
-        self.submit(move |c| {
-            let mut recv = vec![T::zeroed(); send.len() * n];
-            c.all_gather(&send, &mut recv).map(|()| recv)
-        })
+        let mut recv = vec![T::zeroed(); send.len() * self.size];
+        let args = CallArgs::new(Collective::AllGather, T::DTYPE);
+        let bufs = (Some(raw(&send)), raw_mut(&mut recv));
+        self.start_owned(args, bufs, (send, recv), |(_, recv)| recv)
     }
 
     /// ReduceScatter of `send` (`size` blocks) into this rank's block.
     pub fn reduce_scatter<T: Element>(&self, send: Vec<T>, op: ReduceOp) -> Handle<Vec<T>> {
-        let n = self.size;
-        self.submit(move |c| {
-            let mut recv = vec![T::zeroed(); send.len() / n];
-            c.reduce_scatter(&send, &mut recv, op).map(|()| recv)
-        })
+        let mut recv = vec![T::zeroed(); send.len() / self.size];
+        let args = CallArgs::new(Collective::ReduceScatter, T::DTYPE).op(op);
+        let bufs = (Some(raw(&send)), raw_mut(&mut recv));
+        self.start_owned(args, bufs, (send, recv), |(_, recv)| recv)
     }
 
     /// Broadcast of `root`'s `buf`.
     pub fn broadcast<T: Element>(&self, mut buf: Vec<T>, root: Rank) -> Handle<Vec<T>> {
-        self.submit(move |c| c.broadcast(&mut buf, root).map(|()| buf))
+        let args = CallArgs::new(Collective::Broadcast, T::DTYPE).root(root);
+        let bufs = (None, raw_mut(&mut buf));
+        self.start_owned(args, bufs, buf, same)
+    }
+
+    /// In-place Reduce of `buf` to `root` (on other ranks `buf` ends with
+    /// partial results).
+    pub fn reduce<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp, root: Rank) -> Handle<Vec<T>> {
+        let args = CallArgs::new(Collective::Reduce, T::DTYPE)
+            .op(op)
+            .root(root);
+        let bufs = (None, raw_mut(&mut buf));
+        self.start_owned(args, bufs, buf, same)
+    }
+
+    /// Sends `buf` to `peer`; the handle gives it back once it left.
+    pub fn send<T: Element>(&self, buf: Vec<T>, peer: Rank) -> Handle<Vec<T>> {
+        let args = CallArgs::send_to(T::DTYPE, peer);
+        let bufs = (Some(raw(&buf)), raw::<T>(&[]));
+        self.start_owned(args, bufs, buf, same)
+    }
+
+    /// Receives `peer`'s next message into `buf`.
+    pub fn recv<T: Element>(&self, mut buf: Vec<T>, peer: Rank) -> Handle<Vec<T>> {
+        let args = CallArgs::recv_from(T::DTYPE, peer);
+        let bufs = (None, raw_mut(&mut buf));
+        self.start_owned(args, bufs, buf, same)
     }
 
     /// Barrier.
     pub fn barrier(&self) -> Handle<()> {
-        self.submit(|c| c.barrier())
+        let args = CallArgs::new(Collective::Barrier, DataType::U8);
+        self.start_owned(args, (None, raw::<u8>(&[])), (), same)
+    }
+
+    /// Splits the communicator (see [`Communicator::split`]); the child is a
+    /// blocking communicator (wrap it in an `AsyncCommunicator` of its own).
+    pub fn split(&self, color: Option<u32>, key: i64) -> Handle<Option<Communicator>> {
+        self.submit(move |c| c.split(color, key))
     }
 
     /// Waits for every operation started and returns the communicator.
@@ -165,6 +301,7 @@ impl AsyncCommunicator {
 
     fn finish(&mut self) -> Option<Communicator> {
         drop(self.jobs.take());
+        self.doorbell.ring();
         self.thread.take()?.join().ok()
     }
 }
@@ -172,5 +309,79 @@ impl AsyncCommunicator {
 impl Drop for AsyncCommunicator {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+/// `buf`'s memory by address, for a call that only reads it.
+fn raw<T: Element>(buf: &[T]) -> RawBuf {
+    RawBuf::of(bytemuck::cast_slice(buf))
+}
+
+/// `buf`'s memory by address, for a call that writes it (the Vec moves
+/// into the call with it; its heap buffer stays where it is).
+fn raw_mut<T: Element>(buf: &mut [T]) -> RawBuf {
+    RawBuf::of_mut(bytemuck::cast_slice_mut(buf))
+}
+
+fn same<K>(k: K) -> K {
+    k
+}
+
+/// The progress thread: starts calls as they come, steps every call in
+/// flight, hands results back, sleeps on the connections and the doorbell.
+/// Ends, returning the communicator, once the jobs channel closed and every
+/// call finished.
+fn progress(mut comm: Communicator, queue: mpsc::Receiver<Job>, bell: &Doorbell) -> Communicator {
+    let mut pending: Vec<(CallId, Reply)> = Vec::new();
+    let mut open = true;
+    loop {
+        bell.drain();
+        loop {
+            let job = if pending.is_empty() && open {
+                // Nothing in flight: block until the next job.
+                queue.recv().map_err(|_| mpsc::TryRecvError::Disconnected)
+            } else {
+                queue.try_recv()
+            };
+            match job {
+                Ok(Job::Call {
+                    args,
+                    input,
+                    output,
+                    done,
+                }) => {
+                    // SAFETY: `done` owns the buffers (or the caller of
+                    // `start_bytes` vouched for them) until it is called,
+                    // which is once the call finished.
+                    match unsafe { comm.start(&args, input, output) } {
+                        Ok(id) => pending.push((id, done)),
+                        Err(e) => done(Err(e)),
+                    }
+                }
+                Ok(Job::Run(f)) => f(&mut comm),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
+                }
+            }
+        }
+        if pending.is_empty() {
+            if !open {
+                return comm;
+            }
+            continue;
+        }
+        let moved = comm.step_all();
+        let mut i = 0;
+        while i < pending.len() {
+            match comm.take_result(pending[i].0) {
+                Some(r) => (pending.swap_remove(i).1)(r),
+                None => i += 1,
+            }
+        }
+        if !moved {
+            comm.idle(Some(bell.fd()));
+        }
     }
 }

@@ -9,11 +9,11 @@
 
 use std::time::Instant;
 
-use serde::{Deserialize, Serialize};
 use crate::bootstrap::derive_token;
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::communicator::Setup;
 use crate::{mesh, Communicator, Error, ReduceOp, Result};
+use serde::{Deserialize, Serialize};
 
 /// What each rank contributes to a split.
 #[derive(Serialize, Deserialize)]

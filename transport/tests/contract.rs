@@ -57,7 +57,11 @@ fn drive(
     while !done(a.as_ref(), b.as_ref()) {
         if a.progress()? | b.progress()? {
             poller.busy();
-        } else if !poller.idle([&mut *a, &mut *b].into_iter(), None, Duration::from_secs(10))? {
+        } else if !poller.idle(
+            [&mut *a, &mut *b].into_iter(),
+            None,
+            Duration::from_secs(10),
+        )? {
             panic!("no progress for 10 s");
         }
     }

@@ -5,7 +5,7 @@
 //! oversubscribed hosts where each ring step waits for a rank to be scheduled.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Action, Buf, StepId, Schedule, Span};
+use crate::schedule::{Action, Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {

@@ -12,7 +12,7 @@
 //! Each rank sends (n-1)/n of the range per phase: bandwidth-optimal.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, StepId, Schedule, Span};
+use crate::schedule::{Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {
