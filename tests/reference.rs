@@ -6,7 +6,7 @@
 //! checked to be bitwise identical across ranks.
 
 use approx::abs_diff_eq;
-use collectives::{Buffers, Collective, Communicator, DataType, ReduceOp};
+use collectives::{Buffers, CallArgs, Collective, Communicator, DataType, ReduceOp, VarCounts};
 use half::{bf16, f16};
 
 /// Element counts every datatype and reduction runs at: empty, one, odd,
@@ -83,6 +83,22 @@ pub fn run(comm: &mut Communicator) -> Result<(), String> {
             // Roots vary with the case: every rank is root somewhere.
             let root = c.rooted().then_some(case as usize % n);
             if let Some(f) = other_case(comm, c, dtype, op, count, root, in_place, case)? {
+                failures.push(f);
+            }
+        }
+    }
+    for dtype in DataType::ALL {
+        for scale in [0, 1, 7, 997] {
+            case += 1;
+            if let Some(f) = alltoallv_case(comm, dtype, scale, case)? {
+                failures.push(f);
+            }
+        }
+    }
+    for dtype in DataType::ALL {
+        for count in SIZES {
+            case += 1;
+            if let Some(f) = p2p_case(comm, dtype, count, case)? {
                 failures.push(f);
             }
         }
@@ -281,6 +297,121 @@ fn other_case(
                 got[i]
             )));
         }
+    }
+    Ok(None)
+}
+
+/// What rank `from` sends rank `to` in an AllToAllv case: a skewed count
+/// (some pairs nothing, the last rank nothing at all), the same formula on
+/// every rank so counts match.
+fn pair_count(from: usize, to: usize, n: usize, scale: usize) -> usize {
+    if from == n - 1 && n > 1 {
+        return 0;
+    }
+    (scale * ((from * 7 + to * 3) % 5)) / 2
+}
+
+/// AllToAllv with skewed counts and gaps between the receive blocks (which
+/// must stay untouched), checked block by block.
+fn alltoallv_case(
+    comm: &mut Communicator,
+    dtype: DataType,
+    scale: usize,
+    case: u64,
+) -> Result<Option<String>, String> {
+    let (n, me) = (comm.size(), comm.rank());
+    let send_counts: Vec<usize> = (0..n).map(|j| pair_count(me, j, n, scale)).collect();
+    let recv_counts: Vec<usize> = (0..n).map(|j| pair_count(j, me, n, scale)).collect();
+    let mut counts = VarCounts::packed(&send_counts, &recv_counts);
+    // One element of gap before each receive block.
+    for (j, d) in counts.recv_displs.iter_mut().enumerate() {
+        *d += j + 1;
+    }
+    let recv_len = counts.recv_displs[n - 1] + recv_counts[n - 1] + 1;
+    let inputs: Vec<Vec<Val>> = (0..n)
+        .map(|r| {
+            let total = (0..n).map(|j| pair_count(r, j, n, scale)).sum();
+            random(dtype, ReduceOp::Sum, total, case, r)
+        })
+        .collect();
+    let input = Aligned::from(&encode(dtype, &inputs[me]));
+    let mut out = Aligned::new(recv_len * dtype.size());
+    out.bytes().fill(0xa5);
+    let garbage = decode(dtype, out.view())[0];
+    let args = CallArgs::all_to_all_v(dtype, counts.clone());
+    let bufs = Buffers::OutOfPlace {
+        send: input.view(),
+        recv: out.bytes(),
+    };
+    comm.call(&args, bufs).map_err(|e| e.to_string())?;
+    let got = decode(dtype, out.view());
+    for (i, &g) in got.iter().enumerate() {
+        let block = (0..n)
+            .find(|&j| i >= counts.recv_displs[j] && i < counts.recv_displs[j] + recv_counts[j]);
+        let want = match block {
+            Some(j) => {
+                let k = i - counts.recv_displs[j];
+                let offset: usize = (0..me).map(|t| pair_count(j, t, n, scale)).sum();
+                inputs[j][offset + k]
+            }
+            None => garbage,
+        };
+        if g != want {
+            return Ok(Some(format!(
+                "alltoallv {dtype} scale {scale}: element {i} is {g:?}, expected {want:?} ({})",
+                block.map_or("a gap".to_string(), |j| format!("from rank {j}"))
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Point-to-point around the ring, blocking: even ranks send first, odd
+/// ones receive first.
+fn p2p_case(
+    comm: &mut Communicator,
+    dtype: DataType,
+    count: usize,
+    case: u64,
+) -> Result<Option<String>, String> {
+    let (n, me) = (comm.size(), comm.rank());
+    if n == 1 {
+        return Ok(None);
+    }
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let inputs: Vec<Vec<Val>> = (0..n)
+        .map(|r| random(dtype, ReduceOp::Sum, count, case, r))
+        .collect();
+    let mine = Aligned::from(&encode(dtype, &inputs[me]));
+    let mut out = Aligned::new(mine.view().len());
+    out.bytes().fill(0xa5);
+    let e = |e: collectives::Error| e.to_string();
+    let send = |comm: &mut Communicator| {
+        let bufs = Buffers::OutOfPlace {
+            send: mine.view(),
+            recv: &mut [],
+        };
+        comm.call(&CallArgs::send_to(dtype, next), bufs)
+    };
+    let recv = |comm: &mut Communicator, out: &mut Aligned| {
+        comm.call(
+            &CallArgs::recv_from(dtype, prev),
+            Buffers::InPlace(out.bytes()),
+        )
+    };
+    if me % 2 == 0 {
+        send(comm).map_err(e)?;
+        recv(comm, &mut out).map_err(e)?;
+    } else {
+        recv(comm, &mut out).map_err(e)?;
+        send(comm).map_err(e)?;
+    }
+    let got = decode(dtype, out.view());
+    if let Some(i) = (0..count).find(|&i| got[i] != inputs[prev][i]) {
+        return Ok(Some(format!(
+            "send/recv {dtype} count {count}: element {i} from rank {prev} is {:?}, expected {:?}",
+            got[i], inputs[prev][i]
+        )));
     }
     Ok(None)
 }

@@ -8,7 +8,15 @@
 //! * `die` / `stall`: rank 1 is SIGKILLed / SIGSTOPped in the middle of a
 //!   large allreduce;
 //! * `late`: rank 1 arrives after everyone's timeout;
-//! * `pingpong N`: N small allreduces (for jobs started by hand).
+//! * `pingpong N`: N small allreduces (for jobs started by hand);
+//! * `overlap`: non-blocking sends to the next rank and receives from the
+//!   previous one, 64 MiB each, started together with an AllReduce;
+//! * `split`: even and odd ranks split off; each child and the parent run
+//!   AllReduces at once, from three threads;
+//! * `abort`: rank 0 blocks in a receive rank 1 never answers and a second
+//!   thread aborts it; rank 1 blocks in a barrier;
+//! * `mismatch-v` / `mismatch-p2p`: rank 1 expects another count than its
+//!   peer sends, in an AllToAllv / a send-recv pair.
 //!
 //! Each rank prints `pid RANK PID` first, and `ok RANK` when MODE succeeded.
 
@@ -16,7 +24,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use collectives::bootstrap::{launch, LAUNCHER_VAR};
-use collectives::{Communicator, DataType, ReduceOp};
+use collectives::{AsyncCommunicator, Communicator, DataType, ReduceOp};
 use integration_tests::reference;
 
 fn main() -> ExitCode {
@@ -84,7 +92,132 @@ fn run(mode: &[String]) -> Result<(), String> {
             }
             Ok(())
         }
+        "overlap" => overlap(comm).map_err(e),
+        "split" => split(&mut comm),
+        "abort" => abort(&mut comm),
+        "mismatch-v" | "mismatch-p2p" => mismatch_new(&mut comm, name == "mismatch-v").map_err(e),
         other => Err(format!("unknown mode '{other}'")),
+    }
+}
+
+/// Every rank sends 64 MiB to the next and receives 64 MiB from the previous
+/// one while an AllReduce runs: executed one call at a time in start order,
+/// the sends would wait for receives that are never posted.
+fn overlap(comm: Communicator) -> Result<(), collectives::Error> {
+    let (n, me) = (comm.size(), comm.rank());
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let comm = AsyncCommunicator::new(comm);
+    let words = 16 << 20;
+    for round in 0..3u32 {
+        let sent = comm.send(vec![me as u32 + round; words], next);
+        let reduced = comm.all_reduce(vec![1u32; 1000], ReduceOp::Sum);
+        let got = comm.recv(vec![0u32; words], prev);
+        let got = got.wait()?;
+        assert!(
+            got.iter().all(|v| *v == prev as u32 + round),
+            "wrong data from rank {prev}"
+        );
+        assert!(reduced.wait()?.iter().all(|v| *v == n as u32));
+        sent.wait()?;
+    }
+    Ok(())
+}
+
+/// The parent and two children (even and odd ranks) used at once, each from
+/// its own thread.
+fn split(comm: &mut Communicator) -> Result<(), String> {
+    let e = |e: collectives::Error| e.to_string();
+    let (n, me) = (comm.size(), comm.rank());
+    let color = (me % 2) as u32;
+    // Keys reverse the order: the child's rank 0 is the highest parent rank.
+    let mut child = comm
+        .split(Some(color), -(me as i64))
+        .map_err(e)?
+        .ok_or("no child")?;
+    let members: Vec<usize> = (0..n).filter(|r| r % 2 == me % 2).collect();
+    let want_rank = members.len() - 1 - members.iter().position(|r| *r == me).unwrap();
+    if child.size() != members.len() || child.rank() != want_rank {
+        return Err(format!(
+            "child of color {color}: rank {} of {}, expected {want_rank} of {}",
+            child.rank(),
+            child.size(),
+            members.len()
+        ));
+    }
+    let none = comm.split(None, 0).map_err(e)?;
+    if none.is_some() {
+        return Err("a rank that opted out got a communicator".into());
+    }
+    let want_child: f64 = members.iter().map(|r| *r as f64).sum();
+    let worker = std::thread::spawn(move || -> Result<(), String> {
+        for _ in 0..50 {
+            let mut x = vec![me as f64; 4099];
+            child
+                .all_reduce_in_place(&mut x, ReduceOp::Sum)
+                .map_err(|e| e.to_string())?;
+            if x.iter().any(|v| *v != want_child) {
+                return Err(format!("child sum {} != {want_child}", x[0]));
+            }
+        }
+        child.barrier().map_err(|e| e.to_string())
+    });
+    let want_parent: f64 = (0..n).map(|r| r as f64).sum();
+    for _ in 0..50 {
+        let mut x = vec![me as f64; 4099];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(e)?;
+        if x.iter().any(|v| *v != want_parent) {
+            return Err(format!("parent sum {} != {want_parent}", x[0]));
+        }
+    }
+    worker.join().map_err(|_| "child thread panicked")??;
+    comm.barrier().map_err(e)
+}
+
+/// Rank 0 blocks in a receive that never completes; a second thread aborts
+/// it. Prints how each rank's blocked call ended, for the test to check.
+fn abort(comm: &mut Communicator) -> Result<(), String> {
+    comm.barrier().map_err(|e| e.to_string())?;
+    let started = std::time::Instant::now();
+    let result = if comm.rank() == 0 {
+        let handle = comm.abort_handle();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            handle.abort("stopped by the test's watchdog");
+        });
+        let mut buf = [0u8; 8];
+        comm.recv(&mut buf, 1)
+    } else {
+        comm.barrier()
+    };
+    let e = result.expect_err("the blocked call must fail");
+    println!(
+        "rank {} ended after {:.1}s with {:?}: {e}",
+        comm.rank(),
+        started.elapsed().as_secs_f64(),
+        e.kind()
+    );
+    Ok(())
+}
+
+/// Rank 1 expects 5 elements where rank 0 sends 4 (AllToAllv or send/recv).
+fn mismatch_new(comm: &mut Communicator, v: bool) -> Result<(), collectives::Error> {
+    comm.barrier()?;
+    let (n, me) = (comm.size(), comm.rank());
+    if v {
+        let mut recv_counts = vec![4; n];
+        if me == 1 {
+            recv_counts[0] = 5;
+        }
+        let counts = collectives::VarCounts::packed(&vec![4; n], &recv_counts);
+        let send = vec![1f32; 4 * n];
+        let mut recv = vec![0f32; counts.total_received()];
+        comm.all_to_all_v(&send, &mut recv, &counts)
+    } else {
+        match me {
+            0 => comm.send(&[1f32; 4], 1),
+            1 => comm.recv(&mut [0f32; 5], 0),
+            _ => Ok(()),
+        }
     }
 }
 

@@ -347,7 +347,8 @@ impl Communicator {
 
     /// A call with NCCL's buffer conventions: `count` as NCCL means it for
     /// the collective (see [`CallArgs::nccl_lengths`]), in place when the
-    /// addresses say so (see [`CallArgs::nccl_in_place`]).
+    /// addresses say so (see [`CallArgs::nccl_in_place`]); a Reduce's
+    /// receive buffer may be null off the root (workspace is lent then).
     ///
     /// # Safety
     /// `send` and `recv` must be valid for the lengths `count` stands for
@@ -369,6 +370,14 @@ impl Communicator {
             .and_then(|(s, r)| Some((s.checked_mul(elem)?, r.checked_mul(elem)?)))
             .ok_or_else(|| invalid(format!("count {count} overflows")))?;
         let in_place = args.nccl_in_place(send as usize, recv as usize, count, self.rank);
+        let mut workspace = Vec::new();
+        let off_root = args.root != Some(self.rank);
+        let recv = if args.collective == Collective::Reduce && off_root && recv.is_null() {
+            workspace.resize(recv_len.div_ceil(8), 0u64);
+            workspace.as_mut_ptr().cast()
+        } else {
+            recv
+        };
         let null = |p: *const u8, len: usize| p.is_null() && len > 0;
         if null(send, send_len) || (null(recv, recv_len) && !in_place) {
             return Err(invalid("a buffer is a null pointer".into()));

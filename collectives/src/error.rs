@@ -66,14 +66,15 @@ impl Error {
         match source {
             transport::Error::Mismatch {
                 peer,
+                expected_tag,
                 got_tag,
                 got_len,
                 expected_len,
-                ..
             } => Error::Mismatch {
                 rank,
                 peer,
-                ours: op,
+                // The message's own tag: an AllToAllv pair's or a p2p's count.
+                ours: CallDesc::from_tag(expected_tag).unwrap_or(op),
                 theirs: match CallDesc::from_tag(got_tag) {
                     Some(t) if t.tag() != op.tag() => t.to_string(),
                     _ => format!("the same operation but a message of {got_len} bytes where {expected_len} were expected"),

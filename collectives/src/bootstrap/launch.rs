@@ -51,8 +51,8 @@ pub fn run(job: &Launch) -> Result<Outcome, String> {
     let port = server.local_addr().port();
     let token = random_token();
     // A job of one has nobody to meet: its rank skips the rendezvous.
-    let rendezvous =
-        (job.nranks > 1).then(|| server.spawn(job.nranks, token, Instant::now() + job.timeout));
+    let rendezvous = (job.nranks > 1)
+        .then(|| server.spawn(Some(job.nranks), token, Instant::now() + job.timeout));
     let cores = core_plan(job.nranks);
     let mut children = Vec::with_capacity(job.nranks);
     for rank in 0..job.nranks {

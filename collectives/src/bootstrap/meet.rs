@@ -27,10 +27,10 @@ pub(crate) fn meet(boot: &Bootstrap, me: PeerInfo, deadline: Instant) -> Result<
     match meeting {
         Meeting::Address {
             addr,
-            hosted_by_launcher,
+            hosted_elsewhere,
             token,
         } => {
-            let server = (hosting && !hosted_by_launcher)
+            let server = (hosting && !hosted_elsewhere)
                 .then(|| Server::bind(*addr))
                 .transpose()?;
             run(server, *addr, *token, boot, me, deadline)
@@ -90,7 +90,7 @@ fn run(
     me: PeerInfo,
     deadline: Instant,
 ) -> Result<Table, String> {
-    let server = server.map(|s| s.spawn(boot.size, token, deadline));
+    let server = server.map(|s| s.spawn(Some(boot.size), token, deadline));
     let table = rendezvous::join(addr, token, boot.size, me, deadline);
     if let Some(server) = server {
         match server.join() {

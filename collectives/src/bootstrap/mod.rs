@@ -37,6 +37,9 @@ mod meet;
 mod mpi;
 mod pmi;
 pub mod rendezvous;
+mod unique_id;
+
+pub use unique_id::{UniqueId, UNIQUE_ID_BYTES};
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::os::fd::RawFd;
@@ -53,11 +56,12 @@ pub const TOKEN_VAR: &str = "COLL_JOB_TOKEN";
 /// Where the ranks of a job meet.
 #[derive(Clone, Debug)]
 pub enum Meeting {
-    /// A known address. Rank 0 hosts the rendezvous there unless a launcher
-    /// does; every connection must present `token`.
+    /// A known address. Rank 0 hosts the rendezvous there unless it is
+    /// hosted elsewhere (by the local launcher, or by whoever made the
+    /// [`UniqueId`]); every connection must present `token`.
     Address {
         addr: SocketAddr,
-        hosted_by_launcher: bool,
+        hosted_elsewhere: bool,
         token: u128,
     },
     /// MPICH's launcher: rank 0's address travels through PMI-1 on this fd.
@@ -209,7 +213,7 @@ fn meeting(size: usize, local_size: Option<usize>) -> Result<Meeting, String> {
         };
         return Ok(Meeting::Address {
             addr,
-            hosted_by_launcher: var(LAUNCHER_VAR).is_some(),
+            hosted_elsewhere: var(LAUNCHER_VAR).is_some(),
             token,
         });
     }
@@ -313,6 +317,15 @@ fn interface_ip_from_env() -> Option<IpAddr> {
         .into_iter()
         .find(|(n, _)| *n == name)
         .map(|(_, ip)| ip)
+}
+
+/// The address to serve a rendezvous on when nothing says where ranks
+/// meet: `COLL_SOCKET_IFNAME`'s, else the first interface's that is not
+/// loopback, else loopback.
+fn default_ip() -> IpAddr {
+    interface_ip_from_env()
+        .or_else(first_interface_ip)
+        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
 }
 
 /// The first IPv4 address of an interface that is up and not loopback.

@@ -100,10 +100,12 @@ impl Server {
         self.addr
     }
 
-    /// Serves one job of `size` ranks in a background thread, giving up at `deadline`.
+    /// Serves one job of `size` ranks in a background thread, giving up at
+    /// `deadline`. Without a size, the first rank to join sets it (the
+    /// rendezvous of a unique id, made before anyone knows the size).
     pub fn spawn(
         self,
-        size: usize,
+        size: Option<usize>,
         job: u128,
         deadline: Instant,
     ) -> JoinHandle<Result<(), String>> {
@@ -113,16 +115,21 @@ impl Server {
             .expect("spawn the rendezvous thread")
     }
 
-    fn serve(self, size: usize, job: u128, deadline: Instant) -> Result<(), String> {
+    fn serve(self, size: Option<usize>, job: u128, deadline: Instant) -> Result<(), String> {
         let (tx, rx) = mpsc::channel::<(TcpStream, Join)>();
         self.listener
             .set_nonblocking(true)
             .map_err(|e| e.to_string())?;
-        let mut joined: Vec<Option<(TcpStream, PeerInfo)>> = (0..size).map(|_| None).collect();
+        let mut joined: Vec<Option<(TcpStream, PeerInfo)>> = Vec::new();
+        let mut size = size;
+        if let Some(n) = size {
+            joined.resize_with(n, || None);
+        }
         let mut count = 0;
         let job_hex = format!("{job:032x}");
-        while count < size {
+        while size != Some(count) {
             if Instant::now() >= deadline {
+                let size = size.unwrap_or(0);
                 let missing: Vec<Rank> = (0..size).filter(|r| joined[*r].is_none()).collect();
                 let reason = format!(
                     "rank(s) {missing:?} of {size} did not reach the rendezvous at {} in time \
@@ -145,9 +152,11 @@ impl Server {
                         );
                         continue;
                     }
+                    let size = *size.get_or_insert(j.size);
+                    joined.resize_with(size, || None);
                     let problem = if j.size != size {
                         Some(format!(
-                            "rank {} says WORLD_SIZE={} but rank 0 says {size}",
+                            "rank {} says WORLD_SIZE={} but the job has {size} ranks",
                             j.info.rank, j.size
                         ))
                     } else if j.info.rank >= size {

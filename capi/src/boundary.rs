@@ -1,0 +1,158 @@
+//! The crossing: panics caught, errors turned into result codes (by kind)
+//! and remembered as text, C enum values converted explicitly.
+
+use std::cell::RefCell;
+use std::ffi::{c_int, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use collectives::{Communicator, DataType, ErrorKind, ReduceOp};
+
+use crate::{collComm, collComm_t, collResult_t, DataTypeArg, RedOpArg};
+
+/// A failure on its way out: the code and the message `collGetLastError`
+/// gives.
+pub(crate) struct Failure {
+    pub code: collResult_t,
+    pub message: String,
+}
+
+impl Failure {
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Failure {
+            code: collResult_t::collInvalidArgument,
+            message: message.into(),
+        }
+    }
+}
+
+impl From<collectives::Error> for Failure {
+    fn from(e: collectives::Error) -> Self {
+        let code = match e.kind() {
+            ErrorKind::InvalidArgument => collResult_t::collInvalidArgument,
+            ErrorKind::Mismatch | ErrorKind::Aborted => collResult_t::collInvalidUsage,
+            ErrorKind::Remote => collResult_t::collRemoteError,
+            ErrorKind::Timeout => collResult_t::collTimeout,
+            ErrorKind::System => collResult_t::collSystemError,
+        };
+        Failure {
+            code,
+            message: e.to_string(),
+        }
+    }
+}
+
+thread_local! {
+    /// The last error of a call that had no communicator to keep it in.
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// Runs `f` behind a panic boundary; a failure is remembered (in `comm`
+/// when there is one, else for this thread) and becomes its code.
+pub(crate) fn guard(
+    comm: Option<&collComm>,
+    f: impl FnOnce() -> Result<(), Failure>,
+) -> collResult_t {
+    let failure = match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => return collResult_t::collSuccess,
+        Ok(Err(failure)) => failure,
+        Err(panic) => Failure {
+            code: collResult_t::collInternalError,
+            message: format!("internal error (a bug): {}", panic_text(&panic)),
+        },
+    };
+    let text = CString::new(failure.message.replace('\0', " ")).unwrap_or_default();
+    match comm {
+        Some(c) => *c.last_error.lock().unwrap_or_else(|e| e.into_inner()) = text,
+        None => LAST_ERROR.with(|l| *l.borrow_mut() = text),
+    }
+    failure.code
+}
+
+/// The message of the last failure on this thread with no communicator.
+pub(crate) fn thread_last_error() -> *const std::ffi::c_char {
+    LAST_ERROR.with(|l| l.borrow().as_ptr())
+}
+
+fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
+    (panic.downcast_ref::<&str>().map(|s| s.to_string()))
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".into())
+}
+
+/// The communicator behind a handle, or `None` for a null one.
+///
+/// # Safety
+/// A non-null `comm` must come from `collCommInit*`/`collCommSplit` and not
+/// have been destroyed or aborted.
+pub(crate) unsafe fn comm_ref<'a>(comm: collComm_t) -> Option<&'a collComm> {
+    // SAFETY: the caller's promise; null is checked by `as_ref`.
+    unsafe { comm.as_ref() }
+}
+
+/// Runs `f` on the communicator behind `comm` (one thread at a time),
+/// behind the boundary.
+///
+/// # Safety
+/// As [`comm_ref`].
+pub(crate) unsafe fn with_comm(
+    comm: collComm_t,
+    f: impl FnOnce(&mut Communicator) -> Result<(), Failure>,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let Some(c) = (unsafe { comm_ref(comm) }) else {
+        return guard(None, || Err(Failure::invalid("comm is NULL")));
+    };
+    guard(Some(c), || {
+        let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+        f(&mut inner)
+    })
+}
+
+/// Stores `value` through `out`, which C passed for a result.
+///
+/// # Safety
+/// A non-null `out` must be valid for a write of `T`.
+pub(crate) unsafe fn put<T>(out: *mut T, what: &str, value: T) -> Result<(), Failure> {
+    if out.is_null() {
+        return Err(Failure::invalid(format!("{what} is NULL")));
+    }
+    // SAFETY: non-null (checked), valid by the caller's promise.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+pub(crate) fn dtype(raw: DataTypeArg) -> Result<DataType, Failure> {
+    Ok(match raw {
+        0 => DataType::I8,
+        1 => DataType::U8,
+        2 => DataType::I32,
+        3 => DataType::U32,
+        4 => DataType::I64,
+        5 => DataType::U64,
+        6 => DataType::F16,
+        7 => DataType::F32,
+        8 => DataType::F64,
+        9 => DataType::Bf16,
+        _ => {
+            return Err(Failure::invalid(format!(
+                "datatype {raw} is not a collDataType_t"
+            )))
+        }
+    })
+}
+
+pub(crate) fn redop(raw: RedOpArg) -> Result<ReduceOp, Failure> {
+    Ok(match raw {
+        0 => ReduceOp::Sum,
+        1 => ReduceOp::Prod,
+        2 => ReduceOp::Max,
+        3 => ReduceOp::Min,
+        4 => ReduceOp::Avg,
+        _ => return Err(Failure::invalid(format!("op {raw} is not a collRedOp_t"))),
+    })
+}
+
+/// A C rank argument (root, peer) as a rank, refusing negative ones.
+pub(crate) fn rank_arg(raw: c_int, what: &str) -> Result<usize, Failure> {
+    usize::try_from(raw).map_err(|_| Failure::invalid(format!("{what} {raw} is negative")))
+}

@@ -1,0 +1,231 @@
+//! Communicators: unique ids, creation, splitting, queries, abort,
+//! destruction, error strings.
+
+use std::ffi::{c_char, c_int, CString};
+use std::sync::Mutex;
+
+use collectives::bootstrap::UniqueId;
+use collectives::{Communicator, Config};
+
+use crate::boundary::{comm_ref, guard, put, thread_last_error, with_comm, Failure};
+use crate::{collComm, collComm_t, collResult_t, collUniqueId, ResultArg};
+
+fn wrap(comm: Communicator) -> collComm_t {
+    let (rank, size) = (comm.rank() as c_int, comm.size() as c_int);
+    Box::into_raw(Box::new(collComm {
+        abort: comm.abort_handle(),
+        comm: Mutex::new(comm),
+        last_error: Mutex::new(CString::default()),
+        rank,
+        size,
+    }))
+}
+
+/// Makes a new unique id and serves its rendezvous from this process (until
+/// the job has met, or COLL_TIMEOUT seconds). Call it on one rank and send
+/// the id to the others (e.g. with MPI_Bcast), as with ncclGetUniqueId.
+///
+/// # Safety
+/// `id` must be NULL or valid for a write of a `collUniqueId`.
+#[no_mangle]
+pub unsafe extern "C" fn collGetUniqueId(id: *mut collUniqueId) -> collResult_t {
+    guard(None, || {
+        if id.is_null() {
+            return Err(Failure::invalid("id is NULL"));
+        }
+        let made = UniqueId::new().map_err(|e| Failure {
+            code: collResult_t::collSystemError,
+            message: format!("collGetUniqueId: {e}"),
+        })?;
+        let mut out = collUniqueId { internal: [0; 128] };
+        for (o, b) in out.internal.iter_mut().zip(made.as_bytes()) {
+            *o = *b as c_char;
+        }
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(id, "id", out) }
+    })
+}
+
+/// Joins the job `id` names as rank `rank` of `nranks`; every rank must
+/// call it (blocks until all have). Settings come from COLL_* variables.
+///
+/// # Safety
+/// `comm` must be NULL or valid for a write of a `collComm_t`.
+#[no_mangle]
+pub unsafe extern "C" fn collCommInitRank(
+    comm: *mut collComm_t,
+    nranks: c_int,
+    id: collUniqueId,
+    rank: c_int,
+) -> collResult_t {
+    guard(None, || {
+        if comm.is_null() {
+            return Err(Failure::invalid("comm is NULL"));
+        }
+        let (Ok(size), Ok(me)) = (usize::try_from(nranks), usize::try_from(rank)) else {
+            return Err(Failure::invalid(format!(
+                "rank {rank} of {nranks}: negative"
+            )));
+        };
+        let bytes: Vec<u8> = id.internal.iter().map(|b| *b as u8).collect();
+        let unique = UniqueId::from_bytes(&bytes).map_err(Failure::invalid)?;
+        let boot = unique.bootstrap(me, size).map_err(Failure::invalid)?;
+        let config = Config::from_env().map_err(Failure::invalid)?;
+        let made = Communicator::init(boot, config)?;
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(comm, "comm", wrap(made)) }
+    })
+}
+
+/// Joins the job the environment describes: torchrun's RANK/WORLD_SIZE/
+/// MASTER_ADDR/MASTER_PORT, Open MPI's or MPICH's mpirun, Slurm.
+///
+/// # Safety
+/// `comm` must be NULL or valid for a write of a `collComm_t`.
+#[no_mangle]
+pub unsafe extern "C" fn collCommInitFromEnv(comm: *mut collComm_t) -> collResult_t {
+    guard(None, || {
+        if comm.is_null() {
+            return Err(Failure::invalid("comm is NULL"));
+        }
+        let made = Communicator::from_env()?;
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(comm, "comm", wrap(made)) }
+    })
+}
+
+/// Splits `comm`: ranks with the same `color` form `*newcomm`, ranked by
+/// `key` (then by rank in `comm`); COLL_SPLIT_NOCOLOR (any negative color)
+/// joins none and sets `*newcomm` to NULL. Every rank of `comm` must call it.
+///
+/// # Safety
+/// `comm` must be a live communicator; `newcomm` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collCommSplit(
+    comm: collComm_t,
+    color: c_int,
+    key: c_int,
+    newcomm: *mut collComm_t,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    unsafe {
+        with_comm(comm, |c| {
+            if newcomm.is_null() {
+                return Err(Failure::invalid("newcomm is NULL"));
+            }
+            let color = u32::try_from(color).ok();
+            let child = c.split(color, key.into())?;
+            put(newcomm, "newcomm", child.map_or(std::ptr::null_mut(), wrap))
+        })
+    }
+}
+
+/// The number of ranks of `comm`.
+///
+/// # Safety
+/// `comm` must be a live communicator; `count` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collCommCount(comm: collComm_t, count: *mut c_int) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let c = unsafe { comm_ref(comm) };
+    guard(c, || {
+        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
+        // SAFETY: the caller's promise.
+        unsafe { put(count, "count", c.size) }
+    })
+}
+
+/// This process's rank in `comm`.
+///
+/// # Safety
+/// `comm` must be a live communicator; `rank` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collCommUserRank(comm: collComm_t, rank: *mut c_int) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let c = unsafe { comm_ref(comm) };
+    guard(c, || {
+        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
+        // SAFETY: the caller's promise.
+        unsafe { put(rank, "rank", c.rank) }
+    })
+}
+
+/// Aborts `comm` and frees it, as ncclCommAbort: a call blocked on it in
+/// another thread returns at once with an error, every peer's pending or
+/// next call fails naming this rank ("peer rank R aborted"). `comm` must
+/// not be used afterwards (a thread still inside a call on it returns
+/// before this does).
+///
+/// # Safety
+/// `comm` must be NULL or a live communicator.
+#[no_mangle]
+pub unsafe extern "C" fn collCommAbort(comm: collComm_t) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let Some(c) = (unsafe { comm_ref(comm) }) else {
+        return collResult_t::collSuccess;
+    };
+    let rank = c.rank;
+    c.abort.abort(&format!("rank {rank} called collCommAbort"));
+    guard(None, || {
+        // The lock waits for a blocked call, which the abort just ended.
+        let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+        inner.abort(&format!("rank {rank} called collCommAbort"));
+        drop(inner);
+        // SAFETY: made by Box::into_raw in `wrap`; the caller gives it up.
+        drop(unsafe { Box::from_raw(comm) });
+        Ok(())
+    })
+}
+
+/// Frees `comm` (its connections close; peers that still wait on this rank
+/// see it leave).
+///
+/// # Safety
+/// `comm` must be NULL or a live communicator, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn collCommDestroy(comm: collComm_t) -> collResult_t {
+    if comm.is_null() {
+        return collResult_t::collSuccess;
+    }
+    guard(None, || {
+        // SAFETY: made by Box::into_raw in `wrap`; the caller gives it up.
+        drop(unsafe { Box::from_raw(comm) });
+        Ok(())
+    })
+}
+
+/// A short description of `result`.
+#[no_mangle]
+pub extern "C" fn collGetErrorString(result: ResultArg) -> *const c_char {
+    let text: &'static [u8] = match result {
+        0 => b"no error\0",
+        1 => b"system error (sockets, memory, rendezvous)\0",
+        2 => b"internal error (a bug in the library)\0",
+        3 => b"invalid argument\0",
+        4 => b"invalid usage (ranks disagree on a call, or the communicator was aborted)\0",
+        5 => b"remote error (a peer died, closed its connection or aborted)\0",
+        6 => b"timeout (nothing moved for COLL_TIMEOUT seconds)\0",
+        _ => b"unknown result code\0",
+    };
+    text.as_ptr().cast()
+}
+
+/// The full message of the last failed call on `comm` (or, with NULL, of
+/// the last failed call on this thread that had no communicator, such as an
+/// init): it names the rank, the peer and the call. Valid until the next
+/// failure it would report.
+///
+/// # Safety
+/// `comm` must be NULL or a live communicator.
+#[no_mangle]
+pub unsafe extern "C" fn collGetLastError(comm: collComm_t) -> *const c_char {
+    // SAFETY: the caller's promise.
+    match unsafe { comm_ref(comm) } {
+        Some(c) => c
+            .last_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ptr(),
+        None => thread_last_error(),
+    }
+}

@@ -1,0 +1,98 @@
+//! The calls frameworks make beyond the classic collectives, over real
+//! processes and both transports: point-to-point that overlaps, split
+//! children used at once from several threads, abort from another thread,
+//! and named errors for AllToAllv and send/recv counts that disagree.
+//! (AllToAllv and send/recv correctness over every dtype and size is in the
+//! matrix, `matrix.rs`.)
+
+use std::path::Path;
+use std::time::Duration;
+
+use integration_tests::{run, Run};
+
+fn job(ranks: usize, mode: &str, transport: &str, timeout_s: &str) -> Run {
+    let worker = Path::new(env!("CARGO_BIN_EXE_coll-worker"));
+    let n = ranks.to_string();
+    let env = [("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    run(
+        worker,
+        &["--ranks", &n, mode],
+        &env,
+        Duration::from_secs(120),
+    )
+}
+
+const TRANSPORTS: [&str; 2] = ["tcp", "shm"];
+
+fn assert_ok(r: &Run, what: &str) {
+    assert!(r.ok, "{what} failed:\n{}\n{}", r.stdout, r.stderr);
+}
+
+#[test]
+fn nonblocking_sends_and_receives_overlap_each_other_and_collectives() {
+    for t in TRANSPORTS {
+        assert_ok(&job(3, "overlap", t, "30"), &format!("overlap over {t}"));
+    }
+}
+
+#[test]
+fn split_children_and_parent_run_at_once_from_threads() {
+    for t in TRANSPORTS {
+        assert_ok(&job(4, "split", t, "30"), &format!("split of 4 over {t}"));
+    }
+    assert_ok(&job(5, "split", "shm", "30"), "split of 5");
+}
+
+#[test]
+fn abort_from_another_thread_ends_the_blocked_call_and_tells_the_peers() {
+    for t in TRANSPORTS {
+        let r = job(3, "abort", t, "60");
+        assert_ok(&r, &format!("abort over {t}"));
+        // Rank 0's own call ends at the abort (300 ms), its peers hear of it
+        // at once: nobody waits for the 60 s timeout.
+        let line = |rank: usize| {
+            (r.stdout.lines())
+                .find(|l| l.starts_with(&format!("rank {rank} ended")))
+                .unwrap_or_else(|| panic!("no outcome of rank {rank}:\n{}", r.stdout))
+                .to_string()
+        };
+        let zero = line(0);
+        assert!(
+            zero.contains("Aborted") && zero.contains("stopped by the test's watchdog"),
+            "{zero}"
+        );
+        for rank in [1, 2] {
+            let l = line(rank);
+            assert!(
+                l.contains("Remote") && l.contains("aborted: stopped by the test's watchdog"),
+                "{l}"
+            );
+        }
+        assert!(r.elapsed < Duration::from_secs(20), "took {:?}", r.elapsed);
+    }
+}
+
+#[test]
+fn counts_that_disagree_are_named_errors() {
+    for t in TRANSPORTS {
+        for (mode, call) in [
+            ("mismatch-v", "alltoallv #1"),
+            ("mismatch-p2p", "send/recv #0"),
+        ] {
+            let r = job(3, mode, t, "20");
+            assert!(!r.ok, "{mode} over {t} succeeded");
+            assert!(
+                (r.stderr.lines()).any(|l| l.starts_with(&format!("rank 1: {call}"))
+                    && l.contains("peer rank 0")
+                    && l.contains("disagree")),
+                "{mode} over {t}: rank 1 did not name the disagreement:\n{}",
+                r.stderr
+            );
+            assert!(
+                r.elapsed < Duration::from_secs(15),
+                "{mode} took {:?}",
+                r.elapsed
+            );
+        }
+    }
+}
