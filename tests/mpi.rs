@@ -12,58 +12,8 @@
 //! unless COLL_REQUIRE_MPI=1 (CI sets it), when that is a failure.
 
 use std::path::Path;
-use std::process::Command;
-use std::time::Duration;
 
-use integration_tests::{assert_clean, run, sibling, Run};
-
-/// Open MPI refuses root and oversubscription unless told.
-const OMPI_ENV: [(&str, &str); 3] = [
-    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
-    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
-    ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
-];
-
-fn required() -> bool {
-    std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1")
-}
-
-fn launcher(name: &str) -> Option<&'static str> {
-    let found = Command::new(name)
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if found {
-        return Some(if name == "mpirun.openmpi" {
-            "mpirun.openmpi"
-        } else {
-            "mpiexec.hydra"
-        });
-    }
-    let required = std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1");
-    assert!(
-        !required,
-        "{name} is not installed (apt-get install openmpi-bin mpich), and COLL_REQUIRE_MPI=1"
-    );
-    eprintln!("skipping: {name} is not installed (apt-get install openmpi-bin mpich)");
-    None
-}
-
-/// Runs `program args` under `launcher` with `n` ranks.
-fn mpirun(
-    launcher: &str,
-    n: usize,
-    program: &str,
-    args: &[&str],
-    env: &[(&str, &str)],
-) -> integration_tests::Run {
-    let n = n.to_string();
-    let mut all = vec!["-n", n.as_str(), program];
-    all.extend_from_slice(args);
-    let mut env = env.to_vec();
-    env.extend_from_slice(&OMPI_ENV);
-    run(Path::new(launcher), &all, &env, Duration::from_secs(600))
-}
+use integration_tests::{assert_clean, launcher, mpirun, required, sibling, Run};
 
 /// A clean checked sweep by `n` ranks that the launcher `source` started.
 fn assert_sweep(r: &Run, what: &str, n: usize, source: &str) {
@@ -75,7 +25,7 @@ fn assert_sweep(r: &Run, what: &str, n: usize, source: &str) {
     );
 }
 
-fn matrix_under(launcher_name: &str) {
+fn matrix_under(launcher_name: &'static str) {
     let Some(l) = launcher(launcher_name) else {
         return;
     };
@@ -103,7 +53,7 @@ fn matrix_under(launcher_name: &str) {
     }
 }
 
-fn sweeps_under(launcher_name: &str, source: &str) {
+fn sweeps_under(launcher_name: &'static str, source: &str) {
     let Some(l) = launcher(launcher_name) else {
         return;
     };
@@ -158,7 +108,7 @@ fn feature_build(var: &str) -> Option<String> {
     }
 }
 
-fn mpi_feature(own: &str, build_var: &str, other: &str, source: &str, lib: &str) {
+fn mpi_feature(own: &'static str, build_var: &str, other: &'static str, source: &str, lib: &str) {
     let (Some(own), Some(other), Some(bin)) =
         (launcher(own), launcher(other), feature_build(build_var))
     else {

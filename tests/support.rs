@@ -305,3 +305,46 @@ pub fn has_rdma_device() -> bool {
     }
     found
 }
+
+/// Open MPI refuses root and oversubscription unless told.
+const OMPI_ENV: [(&str, &str); 3] = [
+    ("OMPI_ALLOW_RUN_AS_ROOT", "1"),
+    ("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"),
+    ("OMPI_MCA_rmaps_base_oversubscribe", "1"),
+];
+
+/// Whether tests that need MPI must run rather than skip (CI sets
+/// COLL_REQUIRE_MPI=1).
+pub fn required() -> bool {
+    std::env::var("COLL_REQUIRE_MPI").is_ok_and(|v| v == "1")
+}
+
+/// `name` (mpirun.openmpi, mpiexec.hydra, mpicc.openmpi) if installed;
+/// `None` (a skip, said on stderr) if not, a failure when [`required`].
+pub fn launcher(name: &'static str) -> Option<&'static str> {
+    let found = std::process::Command::new(name)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if found {
+        return Some(name);
+    }
+    assert!(
+        !required(),
+        "{name} is not installed (apt-get install openmpi-bin libopenmpi-dev mpich), and COLL_REQUIRE_MPI=1"
+    );
+    eprintln!(
+        "skipping: {name} is not installed (apt-get install openmpi-bin libopenmpi-dev mpich)"
+    );
+    None
+}
+
+/// Runs `program args` under `launcher` with `n` ranks.
+pub fn mpirun(launcher: &str, n: usize, program: &str, args: &[&str], env: &[(&str, &str)]) -> Run {
+    let n = n.to_string();
+    let mut all = vec!["-n", n.as_str(), program];
+    all.extend_from_slice(args);
+    let mut env = env.to_vec();
+    env.extend_from_slice(&OMPI_ENV);
+    run(Path::new(launcher), &all, &env, Duration::from_secs(600))
+}

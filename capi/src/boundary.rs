@@ -52,13 +52,23 @@ pub(crate) fn guard(
     comm: Option<&collComm>,
     f: impl FnOnce() -> Result<(), Failure>,
 ) -> collResult_t {
-    let failure = match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => return collResult_t::collSuccess,
-        Ok(Err(failure)) => failure,
-        Err(panic) => Failure {
+    record(comm, catch(f))
+}
+
+/// `f`'s outcome, a panic included.
+fn catch(f: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        Err(Failure {
             code: collResult_t::collInternalError,
             message: format!("internal error (a bug): {}", panic_text(&panic)),
-        },
+        })
+    })
+}
+
+/// The code of `outcome`, its message kept for `collGetLastError`.
+fn record(comm: Option<&collComm>, outcome: Result<(), Failure>) -> collResult_t {
+    let Err(failure) = outcome else {
+        return collResult_t::collSuccess;
     };
     let text = CString::new(failure.message.replace('\0', " ")).unwrap_or_default();
     match comm {
@@ -90,7 +100,9 @@ pub(crate) unsafe fn comm_ref<'a>(comm: collComm_t) -> Option<&'a collComm> {
 }
 
 /// Runs `f` on the communicator behind `comm` (one thread at a time),
-/// behind the boundary.
+/// behind the boundary. The outcome is recorded before the lock is given
+/// up: `collCommAbort`, waiting for the lock, may free the communicator
+/// the moment it is.
 ///
 /// # Safety
 /// As [`comm_ref`].
@@ -102,10 +114,11 @@ pub(crate) unsafe fn with_comm(
     let Some(c) = (unsafe { comm_ref(comm) }) else {
         return guard(None, || Err(Failure::invalid("comm is NULL")));
     };
-    guard(Some(c), || {
-        let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-        f(&mut inner)
-    })
+    let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+    let outcome = catch(|| f(&mut inner));
+    let code = record(Some(c), outcome);
+    drop(inner);
+    code
 }
 
 /// Stores `value` through `out`, which C passed for a result.

@@ -212,14 +212,16 @@ impl CallArgs {
     /// as NCCL defines it, AllGather's send block at block `rank` of the
     /// receive buffer and ReduceScatter's receive block at block `rank` of
     /// the send buffer (`count` as in [`nccl_lengths`](Self::nccl_lengths));
-    /// a Broadcast off its root, whose send buffer is never read, too.
+    /// a Broadcast off its root, whose send buffer is never read, and a
+    /// receive, too.
     pub fn nccl_in_place(&self, send: usize, recv: usize, count: usize, rank: Rank) -> bool {
         let block = count.saturating_mul(self.dtype.size()).saturating_mul(rank);
         match self.collective {
             Collective::AllGather => send == recv.wrapping_add(block),
             Collective::ReduceScatter => recv == send.wrapping_add(block),
             Collective::Broadcast => send == recv || self.root != Some(rank),
-            Collective::PointToPoint => false,
+            // A receive writes its one buffer; a send reads its one.
+            Collective::PointToPoint => matches!(self.peer, Some(Peer::From(_))),
             _ => send == recv,
         }
     }
