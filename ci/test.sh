@@ -43,6 +43,7 @@ step "checked sweeps, 4 ranks, over TCP and shared memory"
 for t in tcp shm; do
   $bench allreduce -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
   $bench alltoall -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
+  $bench alltoallv -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
   for c in reducescatter allgather broadcast reduce; do
     $bench $c -n 4 -b 8 -e 64M -f 16 -c 1 --transport $t
   done
@@ -50,7 +51,7 @@ done
 step "checked sweeps of every collective and algorithm, 2, 3, 4 and 8 ranks, TCP and shared memory"
 for n in 2 3 4 8; do
   for t in shm tcp; do
-    for c in allreduce alltoall reducescatter allgather broadcast reduce; do
+    for c in allreduce alltoall alltoallv reducescatter allgather broadcast reduce; do
       for a in $($bench algorithms | awk -v c=$c '$1 == c {print $2}'); do
         # (hierarchical needs several hosts: tests/hosts.rs runs it on two)
         [ "$a" = hierarchical ] && continue

@@ -27,6 +27,7 @@ if [ "${1:-}" = --in-vm ]; then
   step "checked sweeps over verbs, 3 ranks, every collective"
   $bench allreduce -n 3 -b 8 -e 64M -f 8 -c 1 --transport verbs
   $bench alltoall -n 3 -b 8 -e 64M -f 8 -c 1 --transport verbs
+  $bench alltoallv -n 3 -b 8 -e 64M -f 8 -c 1 --transport verbs
   for c in reducescatter allgather broadcast reduce; do
     $bench $c -n 3 -b 8 -e 1M -f 32 -c 1 --transport verbs
   done

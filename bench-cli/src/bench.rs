@@ -8,6 +8,7 @@ use collectives::{Buffers, Collective, Communicator, DataType, ReduceOp};
 use crate::cli::BenchArgs;
 use crate::data;
 use crate::report::{Mode, Row};
+use crate::skew::Skew;
 
 /// The benchmark state of one rank.
 pub struct Bench<'a> {
@@ -16,6 +17,8 @@ pub struct Bench<'a> {
     pub collective: Collective,
     send: Vec<u64>,
     recv: Vec<u64>,
+    /// AllToAllv's split of the size being measured.
+    skew: Option<Skew>,
     started: Instant,
     /// When the last progress line went to a log (not a terminal).
     logged: Instant,
@@ -29,12 +32,27 @@ impl<'a> Bench<'a> {
         collective: Collective,
         max_bytes: u64,
     ) -> Self {
+        // AllToAllv: a popular destination receives more than it sends.
+        let recv_bytes = match collective {
+            Collective::AllToAllV => {
+                let elem = args.dtype.size();
+                let skew = Skew::new(
+                    comm.size(),
+                    comm.rank(),
+                    max_bytes as usize / elem,
+                    args.dtype,
+                );
+                skew.counts().total_received() * elem
+            }
+            _ => max_bytes as usize,
+        };
         Bench {
             comm,
             args,
             collective,
             send: buffer(max_bytes as usize),
-            recv: buffer(max_bytes as usize),
+            recv: buffer(recv_bytes),
+            skew: None,
             started: Instant::now(),
             logged: Instant::now(),
         }
@@ -61,8 +79,15 @@ impl<'a> Bench<'a> {
     pub fn row(&mut self, requested: u64) -> Result<Row, collectives::Error> {
         let count = self.count(requested);
         let bytes = count * self.args.dtype.size();
+        if self.collective == Collective::AllToAllV {
+            let (n, rank) = (self.comm.size(), self.comm.rank());
+            self.skew = Some(Skew::new(n, rank, count, self.args.dtype));
+        }
         let out_of_place = self.measure(bytes, false)?;
-        let in_place = self.measure(bytes, true)?;
+        let in_place = match self.collective {
+            Collective::AllToAllV => None,
+            _ => Some(self.measure(bytes, true)?),
+        };
         Ok(Row {
             bytes: bytes as u64,
             count: count as u64,
@@ -121,7 +146,9 @@ impl<'a> Bench<'a> {
             false => &mut bytemuck::cast_slice_mut(&mut self.send)[..send_len],
         };
         match self.collective {
-            Collective::AllToAll | Collective::AllGather => data::fill_alltoall(input, dtype, rank),
+            Collective::AllToAll | Collective::AllGather | Collective::AllToAllV => {
+                data::fill_alltoall(input, dtype, rank)
+            }
             Collective::Broadcast if rank == self.args.root => {
                 data::fill_alltoall(input, dtype, rank)
             }
@@ -133,6 +160,16 @@ impl<'a> Bench<'a> {
         let elem = dtype.size();
         Ok(match self.collective {
             Collective::AllToAll => data::check_alltoall(result, dtype, rank, n),
+            Collective::AllToAllV => {
+                let skew = self.skew.as_ref().expect("set by row");
+                let c = skew.counts();
+                (0..n)
+                    .map(|j| {
+                        let block = &result[c.recv_displs[j] * elem..][..c.recv_counts[j] * elem];
+                        data::check_copy_of(block, dtype, j, skew.sender_offsets[j])
+                    })
+                    .sum()
+            }
             Collective::AllGather => (0..n)
                 .map(|j| data::check_copy_of(&result[j * block..][..block], dtype, j, 0))
                 .sum(),
@@ -154,6 +191,10 @@ impl<'a> Bench<'a> {
     /// larger buffer), in place or not.
     fn lengths(&self, bytes: usize, in_place: bool) -> (usize, usize) {
         let block = bytes / self.comm.size();
+        if let Some(skew) = &self.skew {
+            let (c, elem) = (skew.counts(), self.args.dtype.size());
+            return (c.total_sent() * elem, c.total_received() * elem);
+        }
         match (self.collective, in_place) {
             (_, true) => (0, bytes),
             (Collective::ReduceScatter, false) => (bytes, block),
@@ -173,6 +214,9 @@ impl<'a> Bench<'a> {
                 recv,
             }
         };
+        if let Some(skew) = &self.skew {
+            return self.comm.call(&skew.args, bufs);
+        }
         let c = self.collective;
         let op = c.reduces().then_some(self.args.op);
         let root = c.rooted().then_some(self.args.root);
@@ -180,9 +224,13 @@ impl<'a> Bench<'a> {
             .collective_bytes(c, bufs, self.args.dtype, op, root)
     }
 
-    /// nccl-tests' bus bandwidth factor.
+    /// nccl-tests' bus bandwidth factor (AllToAllv: the bytes its busiest
+    /// rank sends to others, over the size).
     fn bus_factor(&self) -> f64 {
-        self.collective.bus_factor(self.comm.size())
+        match &self.skew {
+            Some(skew) => skew.bus_factor,
+            None => self.collective.bus_factor(self.comm.size()),
+        }
     }
 
     /// A line on stderr (rank 0) when iterations are slow enough to wonder.

@@ -46,6 +46,12 @@ pub enum Command {
     /// AllToAll: rank i's block j goes to rank j's block i
     #[command(after_help = EXAMPLES)]
     Alltoall(BenchArgs),
+    /// AllToAllv: rank i sends rank j a block of its own size; each rank's
+    /// buffer (size) is cut among the ranks by a Zipf law (seeded, the same
+    /// on every rank), and busbw counts the bytes the busiest rank sends to
+    /// the others
+    #[command(after_help = EXAMPLES)]
+    Alltoallv(BenchArgs),
     /// ReduceScatter: rank i ends with block i of the reduction (size = the whole buffer)
     #[command(after_help = EXAMPLES)]
     Reducescatter(BenchArgs),

@@ -6,6 +6,7 @@ mod bench;
 mod cli;
 mod data;
 mod report;
+mod skew;
 mod tune;
 
 use std::io::Write;
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
         }
         Command::Allreduce(a) => (Collective::AllReduce, a),
         Command::Alltoall(a) => (Collective::AllToAll, a),
+        Command::Alltoallv(a) => (Collective::AllToAllV, a),
         Command::Reducescatter(a) => (Collective::ReduceScatter, a),
         Command::Allgather(a) => (Collective::AllGather, a),
         Command::Broadcast(a) => (Collective::Broadcast, a),

@@ -39,7 +39,8 @@ pub struct Row {
     #[serde(serialize_with = "op_name")]
     pub op: Option<ReduceOp>,
     pub out_of_place: Mode,
-    pub in_place: Mode,
+    /// `None` where the collective has no in-place form (AllToAllv).
+    pub in_place: Option<Mode>,
 }
 
 fn dtype_name<S: serde::Serializer>(d: &DataType, s: S) -> Result<S::Ok, S::Error> {
@@ -98,7 +99,9 @@ pub fn row(out: &mut dyn Write, r: &Row) -> std::io::Result<()> {
         r.dtype.name(),
         r.op.map_or("none", |o| o.name()),
         m(&r.out_of_place),
-        m(&r.in_place)
+        r.in_place
+            .as_ref()
+            .map_or_else(|| format!("{:>10} {:>7} {:>7} {:>6}", "n/a", "", "", ""), m)
     )
 }
 
@@ -114,7 +117,8 @@ impl Summary {
     pub fn of(rows: &[Row], peak_rss: u64) -> Self {
         let modes: Vec<&Mode> = rows
             .iter()
-            .flat_map(|r| [&r.out_of_place, &r.in_place])
+            .flat_map(|r| [Some(&r.out_of_place), r.in_place.as_ref()])
+            .flatten()
             .collect();
         Summary {
             wrong: modes.iter().map(|m| m.wrong).sum(),

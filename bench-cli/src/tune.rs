@@ -77,8 +77,9 @@ pub fn run(
                 let mut bench = Bench::new(comm, &quiet, collective, max);
                 for (i, &size) in sizes.iter().enumerate() {
                     let row = bench.row(size).map_err(e)?;
-                    samples[a][i].push((row.bytes as usize, row.out_of_place.time_us));
-                    samples[a][i].push((row.bytes as usize, row.in_place.time_us));
+                    for mode in [Some(row.out_of_place), row.in_place].into_iter().flatten() {
+                        samples[a][i].push((row.bytes as usize, mode.time_us));
+                    }
                 }
             }
         }

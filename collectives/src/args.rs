@@ -417,11 +417,11 @@ mod tests {
         assert_eq!(ar.check(0, 2, None, b), Ok(3));
         let p2p = CallArgs::send_to(DataType::F32, 0);
         assert!(p2p
-            .check(0, 2, Some(a), &mut [])
+            .check(0, 2, Some(a), &[])
             .unwrap_err()
             .contains("itself"));
         assert_eq!(
-            CallArgs::send_to(DataType::F32, 1).check(0, 2, Some(a), &mut []),
+            CallArgs::send_to(DataType::F32, 1).check(0, 2, Some(a), &[]),
             Ok(4)
         );
     }

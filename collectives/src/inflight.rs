@@ -109,6 +109,9 @@ struct Running {
 pub(crate) struct InFlight {
     next_id: u64,
     calls: Vec<Call>,
+    /// Boxed: a running call's state moves between here and its call
+    /// without reallocating.
+    #[allow(clippy::vec_box)]
     spare: Vec<Box<Running>>,
     poller: Poller,
     /// Per lane and peer: whether a running call waits on the connection.
