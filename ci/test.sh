@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The project's test command (the README's): formatting and lints, one
-# release build, every test from that build, then the checked collbench runs
-# that show the main job works, the overlap example, a smoke run of the Open
-# MPI comparison when mpicc is there, and (as root) the verbs tests on
-# soft-RoCE in a VM. Needs only the Rust toolchain; .ci/run installs what the
-# optional steps need (Open MPI, MPICH, libclang, cmake; ci/rxe.sh its own).
+# release build, every test from that build (the C ABI's included), then the
+# checked collbench runs that show the main job works, the overlap example,
+# the Python package and torch backend (ci/python.sh), a smoke run of the
+# Open MPI comparison when mpicc is there, and (as root) the verbs tests on
+# soft-RoCE in a VM. Needs the Rust toolchain and python3; .ci/run installs
+# what the optional steps need (Open MPI, MPICH, libclang, cmake; ci/rxe.sh
+# its own; ci/python.sh makes the torch environment).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,6 +77,9 @@ grep -q "measured profile" target/tune-run.log
 
 step "non-blocking AllReduces overlapping a backward pass (examples/data_parallel.rs)"
 target/release/examples/data_parallel --steps 5
+
+step "the Python package and the torch backend (ci/python.sh: venv, wheel, pytest)"
+ci/python.sh
 
 if command -v mpicc.openmpi >/dev/null && command -v mpirun.openmpi >/dev/null; then
   step "comparison with Open MPI (smoke run: one repetition, 2 ranks)"

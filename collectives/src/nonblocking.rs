@@ -199,11 +199,28 @@ impl AsyncCommunicator {
     /// The buffers must stay valid and untouched until the handle reports
     /// the call done (or this communicator is dropped, which waits for it).
     pub unsafe fn start_bytes(&self, args: CallArgs, bufs: Buffers<'_>) -> Handle<()> {
-        let raw = match bufs {
-            Buffers::InPlace(b) => (None, RawBuf::of_mut(b)),
-            Buffers::OutOfPlace { send, recv } => (Some(RawBuf::of(send)), RawBuf::of_mut(recv)),
-        };
-        self.start_owned(args, raw, (), same)
+        self.start_owned(args, raw_bufs(bufs), (), same)
+    }
+
+    /// Starts the call `args` on caller-owned byte buffers; `done` gets its
+    /// result, on the progress thread, once it finished (for bindings that
+    /// complete their own futures).
+    ///
+    /// # Safety
+    /// As [`start_bytes`](Self::start_bytes), until `done` is called.
+    pub unsafe fn start_bytes_then(
+        &self,
+        args: CallArgs,
+        bufs: Buffers<'_>,
+        done: impl FnOnce(Result<()>) + Send + 'static,
+    ) {
+        let (input, output) = raw_bufs(bufs);
+        self.post_job(Job::Call {
+            args,
+            input,
+            output,
+            done: Box::new(done),
+        });
     }
 
     /// In-place AllReduce of `buf`.
@@ -309,6 +326,13 @@ impl AsyncCommunicator {
 impl Drop for AsyncCommunicator {
     fn drop(&mut self) {
         self.finish();
+    }
+}
+
+fn raw_bufs(bufs: Buffers<'_>) -> (Option<RawBuf>, RawBuf) {
+    match bufs {
+        Buffers::InPlace(b) => (None, RawBuf::of_mut(b)),
+        Buffers::OutOfPlace { send, recv } => (Some(RawBuf::of(send)), RawBuf::of_mut(recv)),
     }
 }
 
