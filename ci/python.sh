@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 
 venv=${COLL_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/collectives/venv}
 py=$venv/bin/python
+export PATH="$venv/bin:$PATH"
 if ! "$py" -c 'import torch, numpy, ml_dtypes, pytest, maturin' 2>/dev/null; then
   echo "making the virtual environment $venv (torch is a large download)"
   python3 -m venv "$venv"
