@@ -29,6 +29,20 @@ impl Doorbell {
         let _ = rustix::io::read(&self.fd, &mut b);
     }
 
+    /// Sleeps until rung (or `timeout`).
+    pub fn wait(&self, timeout: std::time::Duration) {
+        let mut fds = [rustix::event::PollFd::new(
+            &self.fd,
+            rustix::event::PollFlags::IN,
+        )];
+        let ts = rustix::event::Timespec {
+            tv_sec: timeout.as_secs() as i64,
+            tv_nsec: timeout.subsec_nanos() as i64,
+        };
+        // An interrupted or failed poll only ends the sleep early.
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.fd.as_fd()
     }

@@ -54,6 +54,6 @@ pub use config::{parse_algo, parse_seconds, parse_size, Config};
 pub use datatype::{DataType, Element};
 pub use descriptor::{CallDesc, Collective};
 pub use error::{Error, ErrorKind, Result};
-pub use nonblocking::{AsyncCommunicator, Handle};
+pub use nonblocking::{AsyncCommunicator, Handle, Ticket};
 pub use reduce::ReduceOp;
 pub use transport::Rank;

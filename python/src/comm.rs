@@ -14,7 +14,7 @@ use pyo3::prelude::*;
 
 use crate::buffers::{array, Array};
 use crate::errors::to_py;
-use crate::handle::Handle;
+use crate::handle::{interrupt_check, Handle};
 
 /// One rank's communicator (see the package docs).
 #[pyclass(module = "collectives", frozen)]
@@ -36,9 +36,10 @@ impl Communicator {
         }
     }
 
-    /// Starts `args` on the arrays (`output` `None`: nothing is written;
-    /// `input` `None`: in place on `output`), keeping them alive until it
-    /// finished; waits unless `async_op`.
+    /// Runs `args` on the arrays (`output` `None`: nothing is written;
+    /// `input` `None`: in place on `output`): on this thread with the GIL
+    /// released, or, with `async_op`, in the background, keeping the
+    /// arrays alive until it finished.
     fn start(
         &self,
         py: Python<'_>,
@@ -47,16 +48,10 @@ impl Communicator {
         output: Option<Array>,
         async_op: bool,
     ) -> PyResult<Option<Handle>> {
-        let keep = input
-            .iter()
-            .chain(&output)
-            .map(|a| a.owner.clone_ref(py))
-            .collect();
-        let (handle, finish) = Handle::pending(self.abort.clone(), self.rank, keep);
-        // SAFETY: the arrays stay alive until `finish` runs (it owns
-        // references to them) and Python code must not touch them in
-        // flight (the documented contract of async_op=True; a blocking
-        // call waits right here).
+        // SAFETY: the arrays stay alive until the call finished: held by
+        // this frame through a blocking call, by the handle's `finish`
+        // closure through an async one (Python code must not touch them in
+        // flight: the documented contract of async_op=True).
         let bufs = unsafe {
             match (&input, &output) {
                 (None, Some(o)) => Buffers::InPlace(o.bytes_mut()),
@@ -71,19 +66,31 @@ impl Communicator {
                 (None, None) => Buffers::InPlace(&mut []),
             }
         };
-        {
-            let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-            let comm = guard
-                .as_ref()
-                .ok_or_else(|| PyRuntimeError::new_err("the communicator was closed"))?;
-            // SAFETY: as above.
-            unsafe { comm.start_bytes_then(args, bufs, finish) };
+        let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let comm = guard
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the communicator was closed"))?;
+        if !async_op {
+            let mut signal = None;
+            let mut tick = interrupt_check(&self.abort, self.rank, &mut signal);
+            // SAFETY: as above; this frame holds the arrays until it returns.
+            let result = py.detach(|| unsafe { comm.call_bytes(&args, bufs, &mut tick) });
+            drop(tick);
+            if let Some(signal) = signal {
+                return Err(signal);
+            }
+            return result.map(|()| None).map_err(to_py);
         }
-        if async_op {
-            return Ok(Some(handle));
-        }
-        handle.wait_done(py, None)?;
-        Ok(None)
+        let keep = input
+            .iter()
+            .chain(&output)
+            .map(|a| a.owner.clone_ref(py))
+            .collect();
+        let (handle, finish) = Handle::pending(self.abort.clone(), self.rank, keep);
+        // SAFETY: as above.
+        let ticket = unsafe { comm.start_bytes_then(args, bufs, finish) };
+        handle.set_ticket(ticket);
+        Ok(Some(handle))
     }
 }
 

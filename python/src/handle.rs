@@ -8,7 +8,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use collectives::AbortHandle;
+use collectives::{AbortHandle, Ticket};
 use pyo3::prelude::*;
 
 use crate::errors::Failure;
@@ -32,6 +32,7 @@ struct Shared {
 #[pyclass(module = "collectives", frozen)]
 pub struct Handle {
     shared: Arc<Shared>,
+    ticket: Mutex<Option<Ticket>>,
     abort: AbortHandle,
     rank: usize,
 }
@@ -65,16 +66,21 @@ impl Handle {
                 let callbacks = std::mem::take(&mut state.callbacks);
                 drop(state);
                 shared.done.notify_all();
-                let _ = completer().send(Finished {
-                    callbacks,
-                    result,
-                    keep,
-                });
+                // A blocking call keeps its arrays itself and has no
+                // callbacks: the completer (and the GIL) stay out of it.
+                if !callbacks.is_empty() || !keep.is_empty() {
+                    let _ = completer().send(Finished {
+                        callbacks,
+                        result,
+                        keep,
+                    });
+                }
             }
         };
         (
             Handle {
                 shared,
+                ticket: Mutex::new(None),
                 abort,
                 rank,
             },
@@ -82,15 +88,34 @@ impl Handle {
         )
     }
 
+    /// The ticket by which a waiter drives the call (set once started).
+    pub fn set_ticket(&self, ticket: Ticket) {
+        *self.ticket.lock().unwrap_or_else(|e| e.into_inner()) = Some(ticket);
+    }
+
     fn result(&self) -> Option<Result<(), Failure>> {
         let state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
         state.result.clone()
     }
 
-    /// Waits up to `timeout` (forever: `None`): `Ok(true)` once done and
-    /// successful. A pending signal (Ctrl-C) aborts the communicator, so
-    /// the peers learn why, and raises.
+    /// Waits up to `timeout` (forever: `None`, driving the call on this
+    /// thread): `Ok(true)` once done and successful. A pending signal
+    /// (Ctrl-C) aborts the communicator, so the peers learn why, and raises
+    /// once the call has ended (until then the library may use its arrays).
     pub fn wait_done(&self, py: Python<'_>, timeout: Option<Duration>) -> PyResult<bool> {
+        let ticket = self
+            .ticket
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let (None, Some(ticket)) = (timeout, ticket) {
+            let mut signal = None;
+            py.detach(|| ticket.drive(&mut interrupt_check(&self.abort, self.rank, &mut signal)));
+            if let Some(signal) = signal {
+                self.wait_ended(py);
+                return Err(signal);
+            }
+        }
         let start = Instant::now();
         loop {
             if let Some(r) = self.result() {
@@ -106,18 +131,42 @@ impl Handle {
                 let _ = (self.shared.done).wait_timeout_while(state, slice, |s| s.result.is_none());
             });
             if let Err(signal) = py.check_signals() {
-                let reason = format!("rank {} was interrupted ({signal})", self.rank);
-                self.abort.abort(&reason);
-                // The abort ends the call within one wake-up.
-                py.detach(|| {
-                    let state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
-                    let _ =
-                        (self.shared.done).wait_timeout_while(state, Duration::from_secs(5), |s| {
-                            s.result.is_none()
-                        });
-                });
+                self.abort.abort(&interrupted(self.rank, &signal));
+                self.wait_ended(py);
                 return Err(signal);
             }
+        }
+    }
+
+    /// Waits (GIL released) until the call ended, however.
+    fn wait_ended(&self, py: Python<'_>) {
+        py.detach(|| {
+            let state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+            drop((self.shared.done).wait_while(state, |s| s.result.is_none()));
+        });
+    }
+}
+
+/// What an interrupted rank tells its peers.
+fn interrupted(rank: usize, signal: &PyErr) -> String {
+    format!("rank {rank} was interrupted ({signal})")
+}
+
+/// A `tick` for the library's waits: looks for a pending signal (Ctrl-C)
+/// and, on one, aborts the communicator (the wait then ends) and keeps the
+/// exception in `signal` to raise.
+pub fn interrupt_check<'a>(
+    abort: &'a AbortHandle,
+    rank: usize,
+    signal: &'a mut Option<PyErr>,
+) -> impl FnMut() + 'a {
+    move || {
+        if signal.is_some() {
+            return;
+        }
+        if let Err(e) = Python::attach(|py| py.check_signals()) {
+            abort.abort(&interrupted(rank, &e));
+            *signal = Some(e);
         }
     }
 }

@@ -45,9 +45,21 @@ def _free_port() -> int:
 
 
 def launch(launcher: str, n: int, program: Path, *args: str, env=None, timeout: int = 600):
-    """Runs `n` ranks of `program` under `launcher`; returns the process."""
+    """Runs `n` ranks of `program` under `launcher` (torchrun, mpirun, or
+    "direct": processes given torchrun's variables, with no agent that
+    would kill the survivors when a rank dies); returns the outcome."""
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     env.setdefault("COLL_TIMEOUT", "60")
+    if launcher == "direct":
+        port = str(_free_port())
+        procs = [
+            subprocess.Popen([sys.executable, str(program), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env={**env, "RANK": str(r), "WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+            for r in range(n)
+        ]
+        outs = [p.communicate(timeout=timeout) for p in procs]
+        code = max(abs(p.returncode) for p in procs)
+        return subprocess.CompletedProcess(program, code, "".join(o for o, _ in outs), "".join(e for _, e in outs))
     if launcher == "torchrun":
         _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={n}",
@@ -92,7 +104,7 @@ def _outcomes(r) -> dict:
 
 
 def test_a_killed_rank_raises_peer_error_naming_it():
-    r = launch("torchrun", 3, RANKS / "errors.py", "kill")
+    r = launch("direct", 3, RANKS / "errors.py", "kill")
     got = _outcomes(r)
     for rank in (0, 2):
         cls, seconds, message = got.get(rank, (None, 0, r.stdout + r.stderr))

@@ -37,6 +37,9 @@ impl Poller {
     pub const DEFAULT_SPIN: Duration = Duration::from_micros(5);
     /// How long an idle loop polls (spinning, then yielding) before it sleeps.
     pub const DEFAULT_PATIENCE: Duration = Duration::from_millis(1);
+    /// The longest single sleep: a waiting thread comes back this often to
+    /// look at what a descriptor cannot tell it (a pending Ctrl-C, say).
+    pub const MAX_SLEEP: Duration = Duration::from_millis(100);
 
     pub fn new(spin: Duration, patience: Duration) -> Self {
         Poller {
@@ -71,7 +74,7 @@ impl Poller {
         } else if idle < self.patience {
             std::thread::yield_now();
         } else {
-            sleep_until_ready(conns, extra, timeout - idle)?;
+            sleep_until_ready(conns, extra, (timeout - idle).min(Self::MAX_SLEEP))?;
         }
         Ok(true)
     }
