@@ -20,6 +20,11 @@ const SLICE: Duration = Duration::from_millis(100);
 struct State {
     result: Option<Result<(), Failure>>,
     callbacks: Vec<Py<PyAny>>,
+    /// The arrays the call uses, released by the handle (which holds the
+    /// GIL when it is waited on or collected), or by the completer if the
+    /// handle went away before the call finished.
+    keep: Vec<Py<PyAny>>,
+    orphaned: bool,
 }
 
 #[derive(Default)]
@@ -57,6 +62,7 @@ impl Handle {
         impl FnOnce(collectives::Result<()>) + Send + 'static,
     ) {
         let shared = Arc::new(Shared::default());
+        shared.state.lock().unwrap_or_else(|e| e.into_inner()).keep = keep;
         let finish = {
             let shared = shared.clone();
             move |r: collectives::Result<()>| {
@@ -64,10 +70,14 @@ impl Handle {
                 let mut state = shared.state.lock().unwrap_or_else(|e| e.into_inner());
                 state.result = Some(result.clone());
                 let callbacks = std::mem::take(&mut state.callbacks);
+                let keep = match state.orphaned {
+                    true => std::mem::take(&mut state.keep),
+                    false => Vec::new(),
+                };
                 drop(state);
                 shared.done.notify_all();
-                // A blocking call keeps its arrays itself and has no
-                // callbacks: the completer (and the GIL) stay out of it.
+                // Only callbacks, or arrays nobody else will release, need
+                // the completer (and the GIL) here.
                 if !callbacks.is_empty() || !keep.is_empty() {
                     let _ = completer().send(Finished {
                         callbacks,
@@ -167,6 +177,18 @@ pub fn interrupt_check<'a>(
         if let Err(e) = Python::attach(|py| py.check_signals()) {
             abort.abort(&interrupted(rank, &e));
             *signal = Some(e);
+        }
+    }
+}
+
+impl Drop for Handle {
+    /// Runs with the GIL held (a Python object's deallocation).
+    fn drop(&mut self) {
+        let mut state = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        if state.result.is_some() {
+            state.keep.clear();
+        } else {
+            state.orphaned = true;
         }
     }
 }

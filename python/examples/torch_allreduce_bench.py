@@ -1,0 +1,56 @@
+"""dist.all_reduce through torch, the collectives backend against Gloo in one
+job, sizes interleaved so both see the same machine:
+
+    torchrun --nproc-per-node 4 python/examples/torch_allreduce_bench.py [--sizes 8,1K,1M,256M]
+
+Rank 0 prints, per size, the median time per call of each backend (the
+slowest rank's, as collbench reports) and their ratio.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import collectives.torch  # noqa: F401
+
+
+def size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
+
+
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--sizes", default="8,1K,32K,1M,16M,256M")
+parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians)")
+args = parser.parse_args()
+
+torch.set_num_threads(1)
+dist.init_process_group("collectives")
+groups = {"collectives": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+rank, n = dist.get_rank(), dist.get_world_size()
+sizes = [size(s) for s in args.sizes.split(",")]
+times = {(k, s): [] for k in groups for s in sizes}
+for _ in range(args.reps):
+    for s in sizes:
+        t = torch.ones(max(s // 4, 1))
+        iters = 200 if s <= 64 << 10 else 20 if s <= 16 << 20 else 3
+        for name, group in groups.items():
+            for _ in range(max(iters // 10, 1)):
+                dist.all_reduce(t, group=group)
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                dist.all_reduce(t, group=group)
+            took = torch.tensor([(time.perf_counter() - t0) / iters])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+            times[(name, s)].append(took.item())
+if rank == 0:
+    print(f"# dist.all_reduce, {n} ranks, float32, median of {args.reps} interleaved runs (slowest rank)")
+    print(f"# {'bytes':>10} {'collectives us':>15} {'gloo us':>12} {'gloo/collectives':>17}")
+    for s in sizes:
+        a, b = (statistics.median(times[(k, s)]) * 1e6 for k in groups)
+        print(f"  {s:>10} {a:>15.1f} {b:>12.1f} {b / a:>17.1f}")
+dist.destroy_process_group()
