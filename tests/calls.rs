@@ -1,7 +1,7 @@
 //! The calls frameworks make beyond the classic collectives, over real
-//! processes and both transports: point-to-point that overlaps, split
-//! children used at once from several threads, abort from another thread,
-//! and named errors for AllToAllv and send/recv counts that disagree.
+//! processes and both transports: point-to-point that overlaps, groups,
+//! split children used at once from several threads, abort from another
+//! thread, and named errors for AllToAllv and send/recv counts that disagree.
 //! (AllToAllv and send/recv correctness over every dtype and size is in the
 //! matrix, `matrix.rs`.)
 
@@ -94,5 +94,26 @@ fn counts_that_disagree_are_named_errors() {
                 r.elapsed
             );
         }
+    }
+}
+
+#[test]
+fn groups_run_every_transfer_at_once_fuse_small_allreduces_and_report_at_the_end() {
+    for t in TRANSPORTS {
+        for n in [2, 3] {
+            assert_ok(
+                &job(n, "group", t, "30"),
+                &format!("group, {n} ranks over {t}"),
+            );
+        }
+        // Rank 2 receives from the dead rank 1 and must say so (rank 0's
+        // send may complete into TCP's buffers before rank 1 is gone).
+        let r = job(3, "group-die", t, "20");
+        assert!(!r.ok, "group-die over {t} succeeded");
+        assert!(
+            r.stderr.contains("rank 2: send/recv") && r.stderr.contains("peer rank 1"),
+            "group-die over {t}: the error does not name the call and rank 1:\n{}",
+            r.stderr
+        );
     }
 }

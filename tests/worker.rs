@@ -16,7 +16,11 @@
 //! * `abort`: rank 0 blocks in a receive rank 1 never answers and a second
 //!   thread aborts it; rank 1 blocks in a barrier;
 //! * `mismatch-v` / `mismatch-p2p`: rank 1 expects another count than its
-//!   peer sends, in an AllToAllv / a send-recv pair.
+//!   peer sends, in an AllToAllv / a send-recv pair;
+//! * `group`: AllToAll as grouped sends and receives (self included) equal
+//!   to `all_to_all`; a 64 MiB ring exchange in one group; 100 small
+//!   AllReduces in a group (fused) equal to one by one;
+//! * `group-die`: rank 1 exits; the others' group reports it at its end.
 //!
 //! Each rank prints `pid RANK PID` first, and `ok RANK` when MODE succeeded.
 
@@ -93,6 +97,8 @@ fn run(mode: &[String]) -> Result<(), String> {
             Ok(())
         }
         "overlap" => overlap(comm).map_err(e),
+        "group" => group(&mut comm),
+        "group-die" => group_die(&mut comm),
         "split" => split(&mut comm),
         "abort" => abort(&mut comm),
         "mismatch-v" | "mismatch-p2p" => mismatch_new(&mut comm, name == "mismatch-v").map_err(e),
@@ -121,6 +127,88 @@ fn overlap(comm: Communicator) -> Result<(), collectives::Error> {
         sent.wait()?;
     }
     Ok(())
+}
+
+fn group(comm: &mut Communicator) -> Result<(), String> {
+    let e = |e: collectives::Error| e.to_string();
+    let (n, me) = (comm.size(), comm.rank());
+    // AllToAll, nccl-tests' way: a send and a receive per rank, itself included.
+    let block = 1000;
+    let send: Vec<u32> = (0..n * block)
+        .map(|i| (me * 1_000_000 + i) as u32)
+        .collect();
+    let mut want = vec![0u32; n * block];
+    comm.all_to_all(&send, &mut want).map_err(e)?;
+    let mut got = vec![0u32; n * block];
+    let mut g = comm.group();
+    for (r, out) in got.chunks_mut(block).enumerate() {
+        g.send(&send[r * block..(r + 1) * block], r).map_err(e)?;
+        g.recv(out, r).map_err(e)?;
+    }
+    g.end().map_err(e)?;
+    if got != want {
+        return Err("grouped send/recv AllToAll differs from all_to_all".into());
+    }
+    // A ring exchange of 64 MiB: every rank sends before anyone receives.
+    let (next, prev) = ((me + 1) % n, (me + n - 1) % n);
+    let out = vec![me as u64; 8 << 20];
+    let mut inp = vec![0u64; 8 << 20];
+    let mut g = comm.group();
+    g.send(&out, next).map_err(e)?;
+    g.recv(&mut inp, prev).map_err(e)?;
+    g.end().map_err(e)?;
+    if inp.iter().any(|v| *v != prev as u64) {
+        return Err("ring exchange: wrong data".into());
+    }
+    // 100 small AllReduces fused, and one of another dtype, against one by one.
+    let mut fused: Vec<Vec<f32>> = (0..100).map(|k| vec![(me + k) as f32; 1000 + k]).collect();
+    let mut other = vec![me as i64; 7];
+    let mut g = comm.group();
+    for b in fused.iter_mut() {
+        g.all_reduce_in_place(b, ReduceOp::Sum).map_err(e)?;
+    }
+    g.all_reduce_in_place(&mut other, ReduceOp::Max)
+        .map_err(e)?;
+    g.end().map_err(e)?;
+    for (k, b) in fused.iter().enumerate() {
+        let mut one = vec![(me + k) as f32; 1000 + k];
+        comm.all_reduce_in_place(&mut one, ReduceOp::Sum)
+            .map_err(e)?;
+        if *b != one {
+            return Err(format!("fused AllReduce {k} differs from its own call"));
+        }
+    }
+    if other.iter().any(|v| *v != (n - 1) as i64) {
+        return Err("the unfused AllReduce in the group is wrong".into());
+    }
+    // A lone send to oneself is an error at the end, and nothing moved.
+    let mut g = comm.group();
+    g.send(&out[..4], me).map_err(e)?;
+    let err = g.end().expect_err("an unmatched send to oneself");
+    if !err
+        .to_string()
+        .contains("sends itself 1 message(s) but receives 0")
+    {
+        return Err(format!("unexpected error: {err}"));
+    }
+    comm.barrier().map_err(e)
+}
+
+/// Rank 1 leaves; the others' group (a ring exchange) fails at its end,
+/// naming it.
+fn group_die(comm: &mut Communicator) -> Result<(), String> {
+    let (n, me) = (comm.size(), comm.rank());
+    comm.barrier().map_err(|e| e.to_string())?;
+    if me == 1 {
+        std::process::exit(0);
+    }
+    let out = vec![1u8; 1 << 20];
+    let mut inp = vec![0u8; 1 << 20];
+    let mut g = comm.group();
+    g.send(&out, (me + 1) % n).map_err(|e| e.to_string())?;
+    g.recv(&mut inp, (me + n - 1) % n)
+        .map_err(|e| e.to_string())?;
+    g.end().map_err(|e| e.to_string())
 }
 
 /// The parent and two children (even and odd ranks) used at once, each from

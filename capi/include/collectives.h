@@ -13,11 +13,24 @@
 #define COLLECTIVES_H
 
 #include <stddef.h>
+/* A collConfig_t with the defaults: blocking calls, COLL_TIMEOUT. */
+#define COLL_CONFIG_INITIALIZER \
+  { sizeof(collConfig_t), COLL_CONFIG_MAGIC, COLL_CONFIG_VERSION, 1, 0 }
 
 /**
  * `collCommSplit`'s color for ranks that join no new communicator.
  */
 #define COLL_SPLIT_NOCOLOR -1
+
+/**
+ * The value of `collConfig_t::magic` (COLL_CONFIG_INITIALIZER sets it).
+ */
+#define COLL_CONFIG_MAGIC 3222388977
+
+/**
+ * The version of `collConfig_t` this library knows.
+ */
+#define COLL_CONFIG_VERSION 1
 
 /**
  * Result of every call.
@@ -48,6 +61,10 @@ typedef enum {
    * Nothing moved for the timeout (COLL_TIMEOUT seconds).
    */
   collTimeout = 6,
+  /**
+   * A non-blocking communicator's call is running (see collCommGetAsyncError).
+   */
+  collInProgress = 7,
 } collResult_t;
 
 /**
@@ -94,6 +111,25 @@ typedef collComm *collComm_t;
 typedef struct {
   char internal[128];
 } collUniqueId;
+
+/**
+ * Communicator settings (NCCL's ncclConfig_t shape: size, magic and version
+ * first, so that it can grow). Start from COLL_CONFIG_INITIALIZER.
+ */
+typedef struct {
+  size_t size;
+  uint32_t magic;
+  uint32_t version;
+  /**
+   * 1: calls return when done. 0: calls return collInProgress at once and
+   * run in the background; collCommGetAsyncError says when they are done.
+   */
+  int blocking;
+  /**
+   * Milliseconds without progress before a call fails (0: COLL_TIMEOUT).
+   */
+  int timeoutMs;
+} collConfig_t;
 
 #ifdef __cplusplus
 extern "C" {
@@ -254,6 +290,22 @@ collResult_t collGetUniqueId(collUniqueId *id);
 collResult_t collCommInitRank(collComm_t *comm, int nranks, collUniqueId id, int rank);
 
 /**
+ * collCommInitRank with settings (NULL: the defaults). With
+ * `config->blocking == 0` every later call on the communicator returns
+ * collInProgress at once and runs in the background (the init itself
+ * blocks until every rank joined).
+ *
+ * # Safety
+ * `comm` must be NULL or valid for a write of a `collComm_t`; `config` NULL
+ * or an initialized `collConfig_t`.
+ */
+collResult_t collCommInitRankConfig(collComm_t *comm,
+                                    int nranks,
+                                    collUniqueId id,
+                                    int rank,
+                                    const collConfig_t *config);
+
+/**
  * Joins the job the environment describes: torchrun's RANK/WORLD_SIZE/
  * MASTER_ADDR/MASTER_PORT, Open MPI's or MPICH's mpirun, Slurm.
  *
@@ -266,6 +318,7 @@ collResult_t collCommInitFromEnv(collComm_t *comm);
  * Splits `comm`: ranks with the same `color` form `*newcomm`, ranked by
  * `key` (then by rank in `comm`); COLL_SPLIT_NOCOLOR (any negative color)
  * joins none and sets `*newcomm` to NULL. Every rank of `comm` must call it.
+ * It blocks, and the child is blocking or not as `comm` is.
  *
  * # Safety
  * `comm` must be a live communicator; `newcomm` NULL or valid for a write.
@@ -324,6 +377,31 @@ const char *collGetErrorString(collResult_t result);
  * `comm` must be NULL or a live communicator.
  */
 const char *collGetLastError(collComm_t comm);
+
+/**
+ * A non-blocking communicator's state: collInProgress while a call runs,
+ * then collSuccess, or the first failed call's result (its message in
+ * collGetLastError). A blocking communicator reports collSuccess.
+ *
+ * # Safety
+ * `comm` must be a live communicator; `asyncError` NULL or valid for a write.
+ */
+collResult_t collCommGetAsyncError(collComm_t comm, collResult_t *asyncError);
+
+/**
+ * Starts (or nests) a group: later calls on this thread are recorded.
+ */
+collResult_t collGroupStart(void);
+
+/**
+ * Ends a group; the outermost end runs what was recorded (see the module
+ * docs) and returns its first failure.
+ *
+ * # Safety
+ * Every buffer recorded since collGroupStart must still be valid (for a
+ * non-blocking communicator: until collCommGetAsyncError says done).
+ */
+collResult_t collGroupEnd(void);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::ffi::{c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use collectives::{Communicator, DataType, ErrorKind, ReduceOp};
+use collectives::{AsyncCommunicator, DataType, ErrorKind, ReduceOp};
 
 use crate::{collComm, collComm_t, collResult_t, DataTypeArg, RedOpArg};
 
@@ -17,6 +17,14 @@ pub(crate) struct Failure {
 }
 
 impl Failure {
+    /// A non-blocking call started; not a failure, but not done either.
+    pub fn in_progress() -> Self {
+        Failure {
+            code: collResult_t::collInProgress,
+            message: String::new(),
+        }
+    }
+
     pub fn invalid(message: impl Into<String>) -> Self {
         Failure {
             code: collResult_t::collInvalidArgument,
@@ -67,8 +75,10 @@ fn catch(f: impl FnOnce() -> Result<(), Failure>) -> Result<(), Failure> {
 
 /// The code of `outcome`, its message kept for `collGetLastError`.
 fn record(comm: Option<&collComm>, outcome: Result<(), Failure>) -> collResult_t {
-    let Err(failure) = outcome else {
-        return collResult_t::collSuccess;
+    let failure = match outcome {
+        Ok(()) => return collResult_t::collSuccess,
+        Err(f) if f.code == collResult_t::collInProgress => return f.code,
+        Err(f) => f,
     };
     let text = CString::new(failure.message.replace('\0', " ")).unwrap_or_default();
     match comm {
@@ -108,14 +118,14 @@ pub(crate) unsafe fn comm_ref<'a>(comm: collComm_t) -> Option<&'a collComm> {
 /// As [`comm_ref`].
 pub(crate) unsafe fn with_comm(
     comm: collComm_t,
-    f: impl FnOnce(&mut Communicator) -> Result<(), Failure>,
+    f: impl FnOnce(&collComm, &AsyncCommunicator) -> Result<(), Failure>,
 ) -> collResult_t {
     // SAFETY: the caller's promise.
     let Some(c) = (unsafe { comm_ref(comm) }) else {
         return guard(None, || Err(Failure::invalid("comm is NULL")));
     };
-    let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-    let outcome = catch(|| f(&mut inner));
+    let inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
+    let outcome = catch(|| f(c, &inner));
     let code = record(Some(c), outcome);
     drop(inner);
     code

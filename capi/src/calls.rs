@@ -5,15 +5,17 @@
 
 use std::ffi::{c_int, c_void};
 
-use collectives::{CallArgs, Collective, DataType, VarCounts};
+use collectives::{AsyncCommunicator, Buffers, CallArgs, Collective, DataType, VarCounts};
 
-use crate::boundary::{dtype, rank_arg, redop, with_comm, Failure};
-use crate::{collComm_t, collResult_t, DataTypeArg, RedOpArg};
+use crate::boundary::{comm_ref, dtype, rank_arg, redop, with_comm, Failure};
+use crate::{collComm, collComm_t, collResult_t, group, DataTypeArg, RedOpArg};
 
-/// One call through the library's NCCL-shaped entry.
+/// One call: recorded inside a group, else run (blocking communicator) or
+/// started in the background (non-blocking one: collInProgress).
 ///
 /// # Safety
-/// As every call below: buffers valid for what `count` stands for.
+/// As every call below: buffers valid for what `count` stands for (for a
+/// non-blocking communicator, until collCommGetAsyncError says done).
 unsafe fn call(
     comm: collComm_t,
     args: impl FnOnce() -> Result<CallArgs, Failure>,
@@ -21,13 +23,59 @@ unsafe fn call(
     recvbuff: *mut c_void,
     count: usize,
 ) -> collResult_t {
+    let (send, recv) = (sendbuff.cast::<u8>(), recvbuff.cast::<u8>());
+    if group::recording() {
+        // SAFETY: the caller's promise, until collGroupEnd.
+        return unsafe { group::record(comm, args, send, recv, count) };
+    }
     // SAFETY: the caller's promise.
     unsafe {
-        with_comm(comm, |c| {
+        with_comm(comm, |c, inner| {
             let args = args()?;
-            Ok(c.call_raw(&args, sendbuff.cast(), recvbuff.cast(), count)?)
+            // Lent to a Reduce off its root with a null receive buffer; owned
+            // by the call (a background one frees it when done).
+            let workspace = Box::into_raw(Box::<Vec<u64>>::default());
+            let free = |w: *mut Vec<u64>| drop(Box::from_raw(w));
+            let (rank, size) = (c.rank as usize, c.size as usize);
+            let bufs = match args.nccl_buffers(rank, size, send, recv, count, &mut *workspace) {
+                Ok(bufs) => bufs,
+                Err(m) => {
+                    free(workspace);
+                    return Err(Failure::invalid(format!("rank {rank}: {m}")));
+                }
+            };
+            if c.blocking {
+                let r = inner.call_bytes(&args, bufs, &mut || {});
+                free(workspace);
+                return Ok(r?);
+            }
+            background(c, inner, args, bufs, workspace as usize)
         })
     }
+}
+
+/// Starts a call of a non-blocking communicator; collCommGetAsyncError
+/// reports it.
+///
+/// # Safety
+/// The buffers must stay valid until it finished.
+/// `workspace` is the address of the call's boxed workspace, freed when done.
+unsafe fn background(
+    c: &collComm,
+    inner: &AsyncCommunicator,
+    args: CallArgs,
+    bufs: Buffers<'_>,
+    workspace: usize,
+) -> Result<(), Failure> {
+    let done = c.begin_background();
+    // SAFETY: the caller's promise; the workspace lives until `done`.
+    unsafe {
+        inner.start_bytes_then(args, bufs, move |r| {
+            drop(Box::from_raw(workspace as *mut Vec<u64>));
+            done(r)
+        })
+    };
+    Err(Failure::in_progress())
 }
 
 /// `recvbuff[i] = op over ranks of sendbuff[i]`, `count` elements.
@@ -87,26 +135,25 @@ pub unsafe extern "C" fn collAllToAllv(
     comm: collComm_t,
 ) -> collResult_t {
     // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |c| {
-            let n = c.size();
-            let list = |p: *const usize, what: &str| {
-                if p.is_null() {
-                    return Err(Failure::invalid(format!("alltoallv: {what} is NULL")));
-                }
-                // SAFETY: non-null (checked); `nranks` entries by the caller's promise.
-                Ok(std::slice::from_raw_parts(p, n).to_vec())
-            };
-            let counts = VarCounts {
-                send_counts: list(sendcounts, "sendcounts")?,
-                send_displs: list(sdispls, "sdispls")?,
-                recv_counts: list(recvcounts, "recvcounts")?,
-                recv_displs: list(rdispls, "rdispls")?,
-            };
-            let args = CallArgs::all_to_all_v(dtype(datatype)?, counts);
-            Ok(c.call_raw(&args, sendbuff.cast(), recvbuff.cast(), 0)?)
-        })
-    }
+    let n = unsafe { comm_ref(comm) }.map_or(0, |c| c.size as usize);
+    let args = || {
+        let list = |p: *const usize, what: &str| {
+            if p.is_null() {
+                return Err(Failure::invalid(format!("alltoallv: {what} is NULL")));
+            }
+            // SAFETY: non-null (checked); `nranks` entries by the caller's promise.
+            Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+        };
+        let counts = VarCounts {
+            send_counts: list(sendcounts, "sendcounts")?,
+            send_displs: list(sdispls, "sdispls")?,
+            recv_counts: list(recvcounts, "recvcounts")?,
+            recv_displs: list(rdispls, "rdispls")?,
+        };
+        Ok(CallArgs::all_to_all_v(dtype(datatype)?, counts))
+    };
+    // SAFETY: the caller's promise.
+    unsafe { call(comm, args, sendbuff, recvbuff, 0) }
 }
 
 /// `recvbuff` (`recvcount` elements) = block `rank` of the reduction over

@@ -2,23 +2,49 @@
 //! destruction, error strings.
 
 use std::ffi::{c_char, c_int, CString};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use collectives::bootstrap::UniqueId;
-use collectives::{Communicator, Config};
+use collectives::{AsyncCommunicator, Communicator, Config};
 
 use crate::boundary::{comm_ref, guard, put, thread_last_error, with_comm, Failure};
-use crate::{collComm, collComm_t, collResult_t, collUniqueId, ResultArg};
+use crate::{
+    collComm, collComm_t, collConfig_t, collResult_t, collUniqueId, ResultArg, COLL_CONFIG_MAGIC,
+};
 
-fn wrap(comm: Communicator) -> collComm_t {
+fn wrap(comm: Communicator, blocking: bool) -> collComm_t {
     let (rank, size) = (comm.rank() as c_int, comm.size() as c_int);
     Box::into_raw(Box::new(collComm {
         abort: comm.abort_handle(),
-        comm: Mutex::new(comm),
+        comm: Mutex::new(AsyncCommunicator::new(comm)),
+        blocking,
+        background: Arc::default(),
         last_error: Mutex::new(CString::default()),
         rank,
         size,
     }))
+}
+
+/// The settings a config asks for: (blocking, the library's config).
+///
+/// # Safety
+/// `config` must be NULL or point to a `collConfig_t` of `config->size` bytes.
+unsafe fn settings(config: *const collConfig_t) -> Result<(bool, Config), Failure> {
+    let mut library = Config::from_env().map_err(Failure::invalid)?;
+    // SAFETY: the caller's promise.
+    let Some(c) = (unsafe { config.as_ref() }) else {
+        return Ok((true, library));
+    };
+    if c.magic != COLL_CONFIG_MAGIC || c.size < std::mem::size_of::<collConfig_t>() {
+        return Err(Failure::invalid(
+            "config is not initialized (start from COLL_CONFIG_INITIALIZER)",
+        ));
+    }
+    if c.timeoutMs > 0 {
+        library.timeout = Duration::from_millis(c.timeoutMs as u64);
+    }
+    Ok((c.blocking != 0, library))
 }
 
 /// Makes a new unique id and serves its rendezvous from this process (until
@@ -58,6 +84,26 @@ pub unsafe extern "C" fn collCommInitRank(
     id: collUniqueId,
     rank: c_int,
 ) -> collResult_t {
+    // SAFETY: the caller's promise.
+    unsafe { collCommInitRankConfig(comm, nranks, id, rank, std::ptr::null()) }
+}
+
+/// collCommInitRank with settings (NULL: the defaults). With
+/// `config->blocking == 0` every later call on the communicator returns
+/// collInProgress at once and runs in the background (the init itself
+/// blocks until every rank joined).
+///
+/// # Safety
+/// `comm` must be NULL or valid for a write of a `collComm_t`; `config` NULL
+/// or an initialized `collConfig_t`.
+#[no_mangle]
+pub unsafe extern "C" fn collCommInitRankConfig(
+    comm: *mut collComm_t,
+    nranks: c_int,
+    id: collUniqueId,
+    rank: c_int,
+    config: *const collConfig_t,
+) -> collResult_t {
     guard(None, || {
         if comm.is_null() {
             return Err(Failure::invalid("comm is NULL"));
@@ -70,10 +116,11 @@ pub unsafe extern "C" fn collCommInitRank(
         let bytes: Vec<u8> = id.internal.iter().map(|b| *b as u8).collect();
         let unique = UniqueId::from_bytes(&bytes).map_err(Failure::invalid)?;
         let boot = unique.bootstrap(me, size).map_err(Failure::invalid)?;
-        let config = Config::from_env().map_err(Failure::invalid)?;
+        // SAFETY: the caller's promise.
+        let (blocking, config) = unsafe { settings(config)? };
         let made = Communicator::init(boot, config)?;
         // SAFETY: non-null (checked), valid by the caller's promise.
-        unsafe { put(comm, "comm", wrap(made)) }
+        unsafe { put(comm, "comm", wrap(made, blocking)) }
     })
 }
 
@@ -90,13 +137,14 @@ pub unsafe extern "C" fn collCommInitFromEnv(comm: *mut collComm_t) -> collResul
         }
         let made = Communicator::from_env()?;
         // SAFETY: non-null (checked), valid by the caller's promise.
-        unsafe { put(comm, "comm", wrap(made)) }
+        unsafe { put(comm, "comm", wrap(made, true)) }
     })
 }
 
 /// Splits `comm`: ranks with the same `color` form `*newcomm`, ranked by
 /// `key` (then by rank in `comm`); COLL_SPLIT_NOCOLOR (any negative color)
 /// joins none and sets `*newcomm` to NULL. Every rank of `comm` must call it.
+/// It blocks, and the child is blocking or not as `comm` is.
 ///
 /// # Safety
 /// `comm` must be a live communicator; `newcomm` NULL or valid for a write.
@@ -109,13 +157,14 @@ pub unsafe extern "C" fn collCommSplit(
 ) -> collResult_t {
     // SAFETY: the caller's promise.
     unsafe {
-        with_comm(comm, |c| {
+        with_comm(comm, |c, inner| {
             if newcomm.is_null() {
                 return Err(Failure::invalid("newcomm is NULL"));
             }
             let color = u32::try_from(color).ok();
-            let child = c.split(color, key.into())?;
-            put(newcomm, "newcomm", child.map_or(std::ptr::null_mut(), wrap))
+            let child = inner.split(color, key.into()).wait()?;
+            let child = child.map_or(std::ptr::null_mut(), |ch| wrap(ch, c.blocking));
+            put(newcomm, "newcomm", child)
         })
     }
 }
@@ -168,10 +217,9 @@ pub unsafe extern "C" fn collCommAbort(comm: collComm_t) -> collResult_t {
     c.abort.abort(&format!("rank {rank} called collCommAbort"));
     guard(None, || {
         // The lock waits for a blocked call, which the abort just ended.
-        let mut inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-        inner.abort(&format!("rank {rank} called collCommAbort"));
-        drop(inner);
+        drop(c.comm.lock().unwrap_or_else(|e| e.into_inner()));
         // SAFETY: made by Box::into_raw in `wrap`; the caller gives it up.
+        // Dropping it tells the peers (the abort is acted on first).
         drop(unsafe { Box::from_raw(comm) });
         Ok(())
     })
@@ -205,6 +253,7 @@ pub extern "C" fn collGetErrorString(result: ResultArg) -> *const c_char {
         4 => b"invalid usage (ranks disagree on a call, or the communicator was aborted)\0",
         5 => b"remote error (a peer died, closed its connection or aborted)\0",
         6 => b"timeout (nothing moved for COLL_TIMEOUT seconds)\0",
+        7 => b"in progress (a non-blocking communicator's call is running)\0",
         _ => b"unknown result code\0",
     };
     text.as_ptr().cast()
@@ -228,4 +277,34 @@ pub unsafe extern "C" fn collGetLastError(comm: collComm_t) -> *const c_char {
             .as_ptr(),
         None => thread_last_error(),
     }
+}
+
+/// A non-blocking communicator's state: collInProgress while a call runs,
+/// then collSuccess, or the first failed call's result (its message in
+/// collGetLastError). A blocking communicator reports collSuccess.
+///
+/// # Safety
+/// `comm` must be a live communicator; `asyncError` NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collCommGetAsyncError(
+    comm: collComm_t,
+    asyncError: *mut collResult_t,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let c = unsafe { comm_ref(comm) };
+    guard(c, || {
+        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
+        let background = c.background.lock().unwrap_or_else(|e| e.into_inner());
+        let state = match (&background.error, background.in_flight) {
+            (Some((code, message)), _) => {
+                let text = CString::new(message.replace('\0', " ")).unwrap_or_default();
+                *c.last_error.lock().unwrap_or_else(|e| e.into_inner()) = text;
+                *code
+            }
+            (None, 0) => collResult_t::collSuccess,
+            (None, _) => collResult_t::collInProgress,
+        };
+        // SAFETY: the caller's promise.
+        unsafe { put(asyncError, "asyncError", state) }
+    })
 }

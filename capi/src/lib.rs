@@ -6,19 +6,21 @@
 //! (`Error::kind`), never from parsing messages. `include/collectives.h`
 //! is generated from this crate by cbindgen (see `tests/header.rs`).
 
-#![allow(non_camel_case_types)]
+#![allow(non_camel_case_types, non_snake_case)]
 
 mod boundary;
 mod calls;
 mod comm;
+mod group;
 
 use std::ffi::{c_char, c_int};
 use std::sync::Mutex;
 
-use collectives::{AbortHandle, Communicator};
+use collectives::{AbortHandle, AsyncCommunicator};
 
 pub use calls::*;
 pub use comm::*;
+pub use group::*;
 
 /// Result of every call.
 #[repr(C)]
@@ -37,6 +39,8 @@ pub enum collResult_t {
     collRemoteError = 5,
     /// Nothing moved for the timeout (COLL_TIMEOUT seconds).
     collTimeout = 6,
+    /// A non-blocking communicator's call is running (see collCommGetAsyncError).
+    collInProgress = 7,
 }
 
 /// Element types.
@@ -87,15 +91,67 @@ pub struct collUniqueId {
 /// `collCommSplit`'s color for ranks that join no new communicator.
 pub const COLL_SPLIT_NOCOLOR: c_int = -1;
 
+/// The value of `collConfig_t::magic` (COLL_CONFIG_INITIALIZER sets it).
+pub const COLL_CONFIG_MAGIC: u32 = 0xc011_c0f1;
+/// The version of `collConfig_t` this library knows.
+pub const COLL_CONFIG_VERSION: u32 = 1;
+
+/// Communicator settings (NCCL's ncclConfig_t shape: size, magic and version
+/// first, so that it can grow). Start from COLL_CONFIG_INITIALIZER.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct collConfig_t {
+    pub size: usize,
+    pub magic: u32,
+    pub version: u32,
+    /// 1: calls return when done. 0: calls return collInProgress at once and
+    /// run in the background; collCommGetAsyncError says when they are done.
+    pub blocking: c_int,
+    /// Milliseconds without progress before a call fails (0: COLL_TIMEOUT).
+    pub timeoutMs: c_int,
+}
+
 /// A communicator (opaque).
 pub struct collComm {
-    comm: Mutex<Communicator>,
+    /// Held during every call: one thread at a time, and collCommAbort frees
+    /// only once a blocked call has returned.
+    comm: Mutex<AsyncCommunicator>,
     abort: AbortHandle,
+    blocking: bool,
+    /// Non-blocking calls in flight and the first error of one.
+    background: std::sync::Arc<Mutex<Background>>,
     /// The last error's full message, for `collGetLastError`.
     last_error: Mutex<std::ffi::CString>,
     rank: c_int,
     size: c_int,
 }
 
+/// What collCommGetAsyncError reports of a non-blocking communicator.
+#[derive(Default)]
+struct Background {
+    in_flight: usize,
+    error: Option<(collResult_t, String)>,
+}
+
 /// A communicator handle.
 pub type collComm_t = *mut collComm;
+
+impl collComm {
+    /// Counts a non-blocking call in; the returned function counts it out
+    /// with its result (the first failure is kept for collCommGetAsyncError).
+    fn begin_background(&self) -> impl FnOnce(collectives::Result<()>) + Send + 'static {
+        let background = self.background.clone();
+        background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .in_flight += 1;
+        move |r| {
+            let mut b = background.lock().unwrap_or_else(|e| e.into_inner());
+            b.in_flight -= 1;
+            if let (Err(e), None) = (r, &b.error) {
+                let f = boundary::Failure::from(e);
+                b.error = Some((f.code, f.message));
+            }
+        }
+    }
+}

@@ -226,6 +226,61 @@ impl CallArgs {
         }
     }
 
+    /// NCCL's buffer addresses as the library's buffers, on `n` ranks (this
+    /// one `rank`): lengths from [`nccl_lengths`](Self::nccl_lengths), in
+    /// place by [`nccl_in_place`](Self::nccl_in_place); a Reduce's receive
+    /// buffer may be null off the root (then `workspace` is lent).
+    ///
+    /// # Safety
+    /// `send` and `recv` must be valid for the lengths `count` stands for
+    /// (either may be null when its length is zero) for `'a`.
+    pub unsafe fn nccl_buffers<'a>(
+        &self,
+        rank: Rank,
+        n: usize,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+        workspace: &'a mut Vec<u64>,
+    ) -> Result<crate::Buffers<'a>, String> {
+        let elem = self.dtype.size();
+        let (send_len, recv_len) = (self.nccl_lengths(count, n))
+            .and_then(|(s, r)| Some((s.checked_mul(elem)?, r.checked_mul(elem)?)))
+            .ok_or_else(|| format!("{}: count {count} overflows", self.collective))?;
+        let in_place = self.nccl_in_place(send as usize, recv as usize, count, rank);
+        let recv =
+            if self.collective == Collective::Reduce && self.root != Some(rank) && recv.is_null() {
+                workspace.resize(recv_len.div_ceil(8), 0u64);
+                workspace.as_mut_ptr().cast()
+            } else {
+                recv
+            };
+        let null = |p: *const u8, len: usize| p.is_null() && len > 0;
+        if null(send, send_len) || (null(recv, recv_len) && !in_place) {
+            return Err(format!("{}: a buffer is a null pointer", self.collective));
+        }
+        // SAFETY: the caller vouches for both ranges; empty ones are never
+        // dereferenced (a dangling pointer stands in for null).
+        let slice = |p: *mut u8, len: usize| unsafe {
+            let p = if len == 0 {
+                std::ptr::dangling_mut()
+            } else {
+                p
+            };
+            std::slice::from_raw_parts_mut(p, len)
+        };
+        Ok(match (in_place, self.collective) {
+            (true, Collective::ReduceScatter) => {
+                crate::Buffers::InPlace(slice(send.cast_mut(), send_len))
+            }
+            (true, _) => crate::Buffers::InPlace(slice(recv, recv_len)),
+            (false, _) => crate::Buffers::OutOfPlace {
+                send: slice(send.cast_mut(), send_len),
+                recv: slice(recv, recv_len),
+            },
+        })
+    }
+
     /// Checks the call on `n` ranks (this one `rank`) with `input` (`None`
     /// in place) and `output`, before any byte moves. Returns the count
     /// the call's tag carries: elements of the larger buffer (AllToAllv:

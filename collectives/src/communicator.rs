@@ -361,51 +361,35 @@ impl Communicator {
         recv: *mut u8,
         count: usize,
     ) -> Result<()> {
-        let invalid = |message: String| Error::InvalidArgument {
-            rank: self.rank,
-            message: format!("{}: {message}", args.collective),
-        };
-        let elem = args.dtype.size();
-        let (send_len, recv_len) = (args.nccl_lengths(count, self.size))
-            .and_then(|(s, r)| Some((s.checked_mul(elem)?, r.checked_mul(elem)?)))
-            .ok_or_else(|| invalid(format!("count {count} overflows")))?;
-        let in_place = args.nccl_in_place(send as usize, recv as usize, count, self.rank);
         let mut workspace = Vec::new();
-        let off_root = args.root != Some(self.rank);
-        let recv = if args.collective == Collective::Reduce && off_root && recv.is_null() {
-            workspace.resize(recv_len.div_ceil(8), 0u64);
-            workspace.as_mut_ptr().cast()
-        } else {
-            recv
-        };
-        let null = |p: *const u8, len: usize| p.is_null() && len > 0;
-        if null(send, send_len) || (null(recv, recv_len) && !in_place) {
-            return Err(invalid("a buffer is a null pointer".into()));
-        }
-        // SAFETY: the caller vouches for both ranges; empty ones are never
-        // dereferenced (a dangling pointer stands in for null).
-        let slice = |p: *const u8, len: usize| unsafe {
-            std::slice::from_raw_parts(if len == 0 { std::ptr::dangling() } else { p }, len)
-        };
-        let slice_mut = |p: *mut u8, len: usize| unsafe {
-            let p = if len == 0 {
-                std::ptr::dangling_mut()
-            } else {
-                p
-            };
-            std::slice::from_raw_parts_mut(p, len)
-        };
-        let bufs = match (in_place, args.collective) {
-            (true, Collective::ReduceScatter) => {
-                Buffers::InPlace(slice_mut(send.cast_mut(), send_len))
-            }
-            (true, _) => Buffers::InPlace(slice_mut(recv, recv_len)),
-            (false, _) => Buffers::OutOfPlace {
-                send: slice(send, send_len),
-                recv: slice_mut(recv, recv_len),
-            },
-        };
-        self.call(args, bufs)
+        // SAFETY: the caller's promise.
+        let (input, output) = unsafe { self.nccl_bufs(args, send, recv, count, &mut workspace)? };
+        // SAFETY: as above; `workspace` outlives the call.
+        let id = unsafe { self.start(args, input, output)? };
+        self.wait(id)
+    }
+
+    /// NCCL's buffer conventions (see [`call_raw`](Self::call_raw)) as the
+    /// executor's buffers: `(None, buf)` in place. `workspace` lends a
+    /// Reduce's receive buffer off the root when it is null.
+    ///
+    /// # Safety
+    /// As [`call_raw`](Self::call_raw).
+    pub(crate) unsafe fn nccl_bufs(
+        &self,
+        args: &CallArgs,
+        send: *const u8,
+        recv: *mut u8,
+        count: usize,
+        workspace: &mut Vec<u64>,
+    ) -> Result<(Option<RawBuf>, RawBuf)> {
+        // SAFETY: the caller's promise.
+        let bufs = unsafe { args.nccl_buffers(self.rank, self.size, send, recv, count, workspace) };
+        let bufs = bufs.map_err(|message| Error::InvalidArgument {
+            rank: self.rank,
+            message,
+        })?;
+        Ok(RawBuf::from_buffers(bufs))
     }
 
     /// Runs one call to its end. Argument errors leave the communicator

@@ -51,6 +51,16 @@ impl RawBuf {
         }
     }
 
+    /// The executor's view of a call's buffers: `(None, buf)` in place.
+    pub fn from_buffers(bufs: crate::Buffers<'_>) -> (Option<RawBuf>, RawBuf) {
+        match bufs {
+            crate::Buffers::InPlace(b) => (None, RawBuf::of_mut(b)),
+            crate::Buffers::OutOfPlace { send, recv } => {
+                (Some(RawBuf::of(send)), RawBuf::of_mut(recv))
+            }
+        }
+    }
+
     /// A buffer the call writes.
     pub fn of_mut(b: &mut [u8]) -> Self {
         RawBuf {
@@ -61,7 +71,7 @@ impl RawBuf {
 
     /// # Safety
     /// The memory must be valid for `len` bytes.
-    unsafe fn bytes<'a>(self) -> &'a [u8] {
+    pub(crate) unsafe fn bytes<'a>(self) -> &'a [u8] {
         // SAFETY: the caller's promise; an empty slice needs no memory.
         unsafe { std::slice::from_raw_parts(self.ptr_or_dangling(), self.len) }
     }

@@ -197,19 +197,7 @@ impl Shared {
     fn drive(&self, ticket: u64, tick: &mut dyn FnMut()) {
         let mut engine = self.engine_for_waiter();
         engine.start_queued();
-        let mut ticked = Instant::now();
-        while engine.is_pending(ticket) {
-            if engine.step(&self.doorbell, || true) {
-                ticked = Instant::now();
-            } else if ticked.elapsed() >= TICK {
-                tick();
-                ticked = Instant::now();
-            }
-        }
-        // Calls this one leaves in flight go back to the progress thread.
-        if !engine.pending.is_empty() {
-            self.doorbell.ring();
-        }
+        self.drive_until(&mut engine, |e| !e.is_pending(ticket), tick);
     }
 
     /// Starts a call after every call queued before it and drives it to its
@@ -229,22 +217,36 @@ impl Shared {
         let comm = (engine.comm.as_mut()).ok_or_else(|| gone(usize::MAX))?;
         // SAFETY: the caller's promise.
         let id = unsafe { comm.start(args, input, output)? };
+        let mut result = None;
+        let finished = |e: &mut Engine| {
+            result = e.comm.as_mut().and_then(|c| c.take_result(id));
+            result.is_some()
+        };
+        self.drive_until(&mut engine, finished, tick);
+        result.expect("driven until finished")
+    }
+
+    /// Steps `engine` on this thread until `finished`, calling `tick` every
+    /// [`TICK`] that nothing moves; what is still in flight then goes back
+    /// to the progress thread.
+    fn drive_until(
+        &self,
+        engine: &mut Engine,
+        mut finished: impl FnMut(&mut Engine) -> bool,
+        tick: &mut dyn FnMut(),
+    ) {
         let mut ticked = Instant::now();
-        let result = loop {
-            if let Some(r) = engine.comm.as_mut().and_then(|c| c.take_result(id)) {
-                break r;
-            }
+        while !finished(engine) {
             if engine.step(&self.doorbell, || true) {
                 ticked = Instant::now();
             } else if ticked.elapsed() >= TICK {
                 tick();
                 ticked = Instant::now();
             }
-        };
+        }
         if !engine.pending.is_empty() {
             self.doorbell.ring();
         }
-        result
     }
 }
 
@@ -415,6 +417,16 @@ impl AsyncCommunicator {
         }
     }
 
+    /// Runs `f` on the communicator after every call started before it;
+    /// `done` gets its result (on whichever thread runs it).
+    pub fn run_then(
+        &self,
+        f: impl FnOnce(&mut Communicator) -> Result<()> + Send + 'static,
+        done: impl FnOnce(Result<()>) + Send + 'static,
+    ) {
+        self.post_job(Job::Run(Box::new(move |comm| done(f(comm)))));
+    }
+
     /// Starts the call `args` on `(input, output)`, which `keep` owns; the
     /// handle gives `out(keep)` when the call finished.
     fn start_owned<K: Send + 'static, R: Send + 'static>(
@@ -449,7 +461,7 @@ impl AsyncCommunicator {
     /// The buffers must stay valid and untouched until the handle reports
     /// the call done (or this communicator is dropped, which waits for it).
     pub unsafe fn start_bytes(&self, args: CallArgs, bufs: Buffers<'_>) -> Handle<()> {
-        self.start_owned(args, raw_bufs(bufs), (), same)
+        self.start_owned(args, RawBuf::from_buffers(bufs), (), same)
     }
 
     /// Runs the call `args` on this thread, after every call started before
@@ -464,7 +476,7 @@ impl AsyncCommunicator {
         bufs: Buffers<'_>,
         tick: &mut dyn FnMut(),
     ) -> Result<()> {
-        let (input, output) = raw_bufs(bufs);
+        let (input, output) = RawBuf::from_buffers(bufs);
         // SAFETY: the caller's promise.
         unsafe { self.shared.run_here(args, input, output, tick) }.map_err(|e| match e {
             Error::Aborted {
@@ -491,7 +503,7 @@ impl AsyncCommunicator {
         bufs: Buffers<'_>,
         done: impl FnOnce(Result<()>) + Send + 'static,
     ) -> Ticket {
-        let (input, output) = raw_bufs(bufs);
+        let (input, output) = RawBuf::from_buffers(bufs);
         let ticket = self.ticket();
         self.post_job(Job::Call {
             ticket: ticket.id,
@@ -646,13 +658,6 @@ impl Engine {
                 true
             }
         }
-    }
-}
-
-fn raw_bufs(bufs: Buffers<'_>) -> (Option<RawBuf>, RawBuf) {
-    match bufs {
-        Buffers::InPlace(b) => (None, RawBuf::of_mut(b)),
-        Buffers::OutOfPlace { send, recv } => (Some(RawBuf::of(send)), RawBuf::of_mut(recv)),
     }
 }
 

@@ -19,7 +19,7 @@ use crate::handle::{interrupt_check, Handle};
 /// One rank's communicator (see the package docs).
 #[pyclass(module = "collectives", frozen)]
 pub struct Communicator {
-    inner: std::sync::Mutex<Option<AsyncCommunicator>>,
+    pub(crate) inner: std::sync::Mutex<Option<AsyncCommunicator>>,
     abort: AbortHandle,
     rank: usize,
     size: usize,
@@ -324,6 +324,18 @@ impl Communicator {
     fn barrier(&self, py: Python<'_>, async_op: bool) -> PyResult<Option<Handle>> {
         let args = CallArgs::new(Collective::Barrier, collectives::DataType::U8);
         self.start(py, args, None, None, async_op)
+    }
+
+    /// A group of calls, run together at the end of a ``with`` block: every
+    /// transfer in flight at once (so a ring of sends and receives cannot
+    /// deadlock), small AllReduces fused into one, sends to and receives
+    /// from this rank itself copied::
+    ///
+    ///     with comm.group() as g:
+    ///         g.send(out, (comm.rank + 1) % comm.size)
+    ///         g.recv(inp, (comm.rank - 1) % comm.size)
+    fn group(slf: Py<Self>) -> crate::group::Group {
+        crate::group::Group::new(slf)
     }
 
     /// Ranks with the same `color` form a new communicator, ranked by `key`

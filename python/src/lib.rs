@@ -6,6 +6,7 @@
 mod buffers;
 mod comm;
 mod errors;
+mod group;
 mod handle;
 
 use pyo3::prelude::*;
@@ -42,6 +43,7 @@ fn launcher_env() -> PyResult<std::collections::HashMap<String, String>> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::Communicator>()?;
     m.add_class::<handle::Handle>()?;
+    m.add_class::<group::Group>()?;
     m.add_function(wrap_pyfunction!(unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(launcher_env, m)?)?;
     let at_exit = wrap_pyfunction!(handle::_at_exit, m)?;

@@ -156,3 +156,9 @@ def test_embedding_exchange_with_uneven_splits():
     _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
     r = launch("torchrun", 3, EXAMPLES / "embedding_exchange.py", "--steps", "5", "--rows", "10000")
     assert "embedding ok" in r.stdout and r.returncode == 0, r.stdout + r.stderr
+
+
+def test_pipeline_parallel_matches_one_process():
+    _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
+    r = launch("torchrun", 4, EXAMPLES / "pipeline.py", "--steps", "6")
+    assert "pipeline ok" in r.stdout and r.returncode == 0, r.stdout + r.stderr

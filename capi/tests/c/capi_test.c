@@ -3,8 +3,11 @@
  * runs it at 2 and 4 ranks): every call x every datatype, in and out of
  * place, AllToAllv with uneven counts (zeros included), send/recv, split
  * into two groups used at once from two threads, a bad argument of each
- * kind (the communicator stays usable), and an abort from another thread
- * while a call is blocked. Prints "capi ok" on success. */
+ * kind (the communicator stays usable), groups (AllToAll as grouped
+ * send/recv, a 256 MiB ring exchange, fused AllReduces, a departed peer
+ * reported at collGroupEnd), a non-blocking communicator polled with
+ * collCommGetAsyncError, and an abort from another thread while a call is
+ * blocked. Prints "capi ok" on success. */
 #include <math.h>
 #include <mpi.h>
 #include <pthread.h>
@@ -376,11 +379,129 @@ static void test_bad_arguments(collComm_t comm) {
   expect_invalid(NULL, collCommInitRank(&out, 2, (collUniqueId){{0}}, 0), "a unique id of zeros");
   EXPECT(strstr(collGetLastError(NULL), "unique id") != NULL, "init error: %s", collGetLastError(NULL));
   expect_invalid(NULL, collCommInitRank(NULL, 2, (collUniqueId){{0}}, 0), "NULL comm pointer");
-  for (int r = 0; r <= 7; r++) EXPECT(collGetErrorString((collResult_t)r) != NULL, "error string %d", r);
+  for (int r = 0; r <= 8; r++) EXPECT(collGetErrorString((collResult_t)r) != NULL, "error string %d", r);
   /* Still usable. */
   CHECK(comm, collCommCount(comm, &n));
   CHECK(comm, collAllReduce(x, x, 8, collFloat32, collSum, comm));
   CHECK(comm, collBarrier(comm));
+}
+
+/* ---- groups (collGroupStart / collGroupEnd) ---- */
+
+static void test_groups(collComm_t comm) {
+  /* AllToAll as nccl-tests writes it: a send and a receive per rank, itself
+   * included, in one group; it must equal collAllToAll. */
+  size_t block = 1000, all = block * (size_t)nranks;
+  int32_t *send = malloc(all * 4), *want = malloc(all * 4), *got = calloc(all, 4);
+  for (size_t i = 0; i < all; i++) send[i] = (int32_t)(rank * 1000000 + i);
+  CHECK(comm, collAllToAll(send, want, block, collInt32, comm));
+  CHECK(comm, collGroupStart());
+  for (int r = 0; r < nranks; r++) {
+    CHECK(comm, collSend(send + r * block, block, collInt32, r, comm));
+    CHECK(comm, collRecv(got + r * block, block, collInt32, r, comm));
+  }
+  CHECK(comm, collGroupEnd());
+  EXPECT(memcmp(got, want, all * 4) == 0, "grouped send/recv AllToAll differs from collAllToAll");
+  free(send), free(want), free(got);
+
+  /* A ring exchange of 256 MiB per rank in one group: every rank sends
+   * before anyone receives (one call at a time would deadlock). */
+  size_t big = (256u << 20) / 8;
+  uint64_t *out = malloc(big * 8), *in = malloc(big * 8);
+  for (size_t i = 0; i < big; i++) out[i] = (uint64_t)rank << 40 | i;
+  int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
+  double t0 = MPI_Wtime();
+  CHECK(comm, collGroupStart());
+  CHECK(comm, collGroupStart()); /* nested: the outermost end counts */
+  CHECK(comm, collSend(out, big, collUint64, next, comm));
+  CHECK(comm, collGroupEnd());
+  CHECK(comm, collRecv(in, big, collUint64, prev, comm));
+  CHECK(comm, collGroupEnd());
+  double took = MPI_Wtime() - t0;
+  for (size_t i = 0; i < big; i += 4099)
+    if (in[i] != ((uint64_t)prev << 40 | i)) {
+      EXPECT(0, "ring exchange: word %zu wrong", i);
+      break;
+    }
+  if (rank == 0) printf("ring exchange of 256 MiB per rank in a group: %.3f s (%.2f GB/s per rank)\n", took, 256.0 * 1.048576e6 / took / 1e9);
+  free(out), free(in);
+
+  /* 100 small AllReduces in a group (fused into one) and a broadcast. */
+  float *bufs[100];
+  for (int k = 0; k < 100; k++) {
+    bufs[k] = malloc(1024 * sizeof(float));
+    for (int i = 0; i < 1024; i++) bufs[k][i] = (float)(rank + k);
+  }
+  int root_value = rank == 0 ? 42 : 0;
+  CHECK(comm, collGroupStart());
+  for (int k = 0; k < 100; k++) CHECK(comm, collAllReduce(bufs[k], bufs[k], 1024, collFloat32, collSum, comm));
+  CHECK(comm, collBroadcast(&root_value, &root_value, 1, collInt32, 0, comm));
+  CHECK(comm, collGroupEnd());
+  for (int k = 0; k < 100; k++) {
+    float want_k = (float)(nranks * (nranks - 1) / 2 + nranks * k);
+    EXPECT(bufs[k][0] == want_k && bufs[k][1023] == want_k, "grouped allreduce %d: %g, want %g", k, bufs[k][0], want_k);
+    free(bufs[k]);
+  }
+  EXPECT(root_value == 42, "grouped broadcast: %d", root_value);
+  EXPECT(collGroupEnd() == collInvalidUsage, "collGroupEnd without collGroupStart");
+
+  /* A dead peer inside a group is reported at collGroupEnd: in a child of
+   * two ranks, rank 1 destroys its communicator; rank 0's group fails. */
+  collComm_t pair = NULL;
+  CHECK(comm, collCommSplit(comm, rank < 2 ? 0 : COLL_SPLIT_NOCOLOR, rank, &pair));
+  if (rank == 1) {
+    CHECK(pair, collCommDestroy(pair));
+  } else if (rank == 0) {
+    char b[1 << 16], c2[1 << 16];
+    memset(b, 1, sizeof b);
+    CHECK(pair, collGroupStart());
+    CHECK(pair, collSend(b, sizeof b, collUint8, 1, pair));
+    CHECK(pair, collRecv(c2, sizeof c2, collUint8, 1, pair));
+    collResult_t r = collGroupEnd();
+    EXPECT(r == collRemoteError, "group with a departed peer: %s", collGetErrorString(r));
+    EXPECT(strstr(collGetLastError(pair), "peer rank 1") != NULL, "group error: %s", collGetLastError(pair));
+    CHECK(NULL, collCommDestroy(pair));
+  }
+  CHECK(comm, collBarrier(comm));
+}
+
+/* ---- a non-blocking communicator ---- */
+
+static void test_nonblocking(void) {
+  collUniqueId id;
+  if (rank == 0) CHECK(NULL, collGetUniqueId(&id));
+  MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+  collConfig_t config = COLL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  collComm_t nb;
+  CHECK(NULL, collCommInitRankConfig(&nb, nranks, id, rank, &config));
+  size_t count = 4 << 20;
+  float *x = malloc(count * sizeof(float));
+  for (size_t i = 0; i < count; i++) x[i] = 1.0f;
+  collResult_t r = collAllReduce(x, x, count, collFloat32, collSum, nb);
+  EXPECT(r == collInProgress, "non-blocking allreduce returned %s", collGetErrorString(r));
+  /* The host thread computes meanwhile, polling now and then. */
+  long polls = 0;
+  double busy = 0;
+  collResult_t state;
+  do {
+    for (int i = 0; i < 100000; i++) busy += i * 1e-9;
+    CHECK(nb, collCommGetAsyncError(nb, &state));
+    polls++;
+  } while (state == collInProgress);
+  EXPECT(state == collSuccess, "async state %s: %s", collGetErrorString(state), collGetLastError(nb));
+  EXPECT(x[0] == nranks && x[count - 1] == nranks, "non-blocking allreduce: %g", x[0]);
+  if (rank == 0) printf("non-blocking allreduce of 16 MiB done after %ld polls (busy %.3f)\n", polls, busy);
+  /* A group on it returns collInProgress too. */
+  CHECK(nb, collGroupStart());
+  r = collAllReduce(x, x, 8, collFloat32, collMax, nb);
+  EXPECT(r == collSuccess, "recorded call: %s", collGetErrorString(r));
+  r = collGroupEnd();
+  EXPECT(r == collInProgress, "non-blocking group end: %s", collGetErrorString(r));
+  do CHECK(nb, collCommGetAsyncError(nb, &state)); while (state == collInProgress);
+  EXPECT(state == collSuccess, "async group: %s", collGetErrorString(state));
+  free(x);
+  CHECK(NULL, collCommDestroy(nb));
 }
 
 /* ---- abort from another thread ---- */
@@ -428,6 +549,8 @@ int main(int argc, char **argv) {
     test_sendrecv(comm, (int)d);
   }
   test_split(comm);
+  test_groups(comm);
+  test_nonblocking();
   test_bad_arguments(comm);
   test_abort(comm);
   int total;

@@ -121,6 +121,30 @@ for dtype in DTYPES:
             h.wait()
         check(f"send/recv {name} {count}", got, values(dtype, "sum", count, prv, case))
 
+# Groups: AllToAll as grouped sends and receives (this rank included), a
+# ring exchange, small AllReduces fused into one.
+block = 5
+send = np.arange(n * block, dtype=np.int64) + 1000 * rank
+want = np.empty_like(send)
+comm.all_to_all(send, want)
+got = np.zeros_like(send)
+with comm.group() as g:
+    for r in range(n):
+        g.send(send[r * block:(r + 1) * block], r)
+        g.recv(got[r * block:(r + 1) * block], r)
+check("group all_to_all", got, want)
+out, inp = np.full(1 << 21, rank, np.float64), np.zeros(1 << 21)
+with comm.group() as g:
+    g.send(out, (rank + 1) % n)
+    g.recv(inp, (rank - 1) % n)
+check("group ring exchange", inp, np.full(1 << 21, (rank - 1) % n, np.float64))
+small = [np.full(100 + k, rank + k, np.float32) for k in range(50)]
+with comm.group() as g:
+    for a in small:
+        g.all_reduce(a)
+for k, a in enumerate(small):
+    check(f"group all_reduce {k}", a, np.full(100 + k, n * (n - 1) / 2 + n * k, np.float32))
+
 comm.barrier()
 if failures:
     print(f"rank {rank}: {len(failures)} failures:\n  " + "\n  ".join(failures[:20]), file=sys.stderr)
