@@ -75,3 +75,40 @@ fn the_c_example_runs() {
     assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
     assert_eq!(r.stdout.matches(", 0 wrong").count(), 3, "{}", r.stdout);
 }
+
+/// The header compiles on its own, as C99 and as C++ (nothing it needs may
+/// come from the includer), and COLL_CONFIG_INITIALIZER makes a blocking config.
+#[test]
+fn the_header_stands_alone() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let source = dir.join("header_alone.c");
+    std::fs::write(
+        &source,
+        "#include \"collectives.h\"\nint main(void) { collConfig_t c = COLL_CONFIG_INITIALIZER; return c.blocking - 1; }\n",
+    )
+    .unwrap();
+    for (compiler, lang) in [("cc", "c"), ("c++", "c++")] {
+        let exe = dir.join(format!("header_alone_{lang}"));
+        let std = if lang == "c" {
+            "-std=c99"
+        } else {
+            "-std=c++11"
+        };
+        let status = Command::new(compiler)
+            .args(["-Wall", "-Werror", std, "-x", lang, "-I"])
+            .arg(repo().join("capi/include"))
+            .arg(&source)
+            .arg("-o")
+            .arg(&exe)
+            .status()
+            .unwrap_or_else(|e| panic!("run {compiler}: {e}"));
+        assert!(
+            status.success(),
+            "collectives.h does not compile alone as {lang}"
+        );
+        assert!(
+            Command::new(&exe).status().unwrap().success(),
+            "{lang}: the initializer is not blocking"
+        );
+    }
+}

@@ -13,6 +13,7 @@
 #define COLLECTIVES_H
 
 #include <stddef.h>
+#include <stdint.h>
 /* A collConfig_t with the defaults: blocking calls, COLL_TIMEOUT. */
 #define COLL_CONFIG_INITIALIZER \
   { sizeof(collConfig_t), COLL_CONFIG_MAGIC, COLL_CONFIG_VERSION, 1, 0 }
