@@ -296,3 +296,28 @@ fn verbs_failures_are_named_too() {
         disagreement("count", "allreduce #1 (1023 x f32, sum)", "verbs");
     }
 }
+
+/// A rank stopped for 10 s (shorter than the timeout) in the middle of
+/// 4-rank 256 MiB AllToAlls: the others wait with their memory at their
+/// buffers plus bounded staging, and the job then completes correctly.
+#[test]
+fn a_stopped_rank_resumes_and_memory_stays_bounded() {
+    for t in TRANSPORTS {
+        let r = job(4, &["pause"], t, "30");
+        assert!(r.ok, "pause over {t}:\n{}\n{}", r.stdout, r.stderr);
+        let buffers = 2 * (256u64 << 20);
+        for line in r.stdout.lines().filter(|l| l.starts_with("peak ")) {
+            let bytes: u64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+            assert!(
+                bytes < buffers + (96 << 20),
+                "{t}: {line}: more than the buffers + 96 MiB"
+            );
+        }
+        assert_eq!(r.stdout.matches("peak ").count(), 4, "{}", r.stdout);
+        assert!(
+            r.elapsed > Duration::from_secs(10),
+            "the stop did not happen: {:?}",
+            r.elapsed
+        );
+    }
+}

@@ -20,7 +20,10 @@
 //! * `group`: AllToAll as grouped sends and receives (self included) equal
 //!   to `all_to_all`; a 64 MiB ring exchange in one group; 100 small
 //!   AllReduces in a group (fused) equal to one by one;
-//! * `group-die`: rank 1 exits; the others' group reports it at its end.
+//! * `group-die`: rank 1 exits; the others' group reports it at its end;
+//! * `pause`: 256 MiB AllToAlls in a loop while rank 0 stops rank 1 for 10 s
+//!   and resumes it: results right, every rank's peak memory its buffers
+//!   plus bounded staging (printed as `peak RANK BYTES`).
 //!
 //! Each rank prints `pid RANK PID` first, and `ok RANK` when MODE succeeded.
 
@@ -98,6 +101,7 @@ fn run(mode: &[String]) -> Result<(), String> {
         }
         "overlap" => overlap(comm).map_err(e),
         "group" => group(&mut comm),
+        "pause" => pause(&mut comm),
         "group-die" => group_die(&mut comm),
         "split" => split(&mut comm),
         "abort" => abort(&mut comm),
@@ -191,6 +195,50 @@ fn group(comm: &mut Communicator) -> Result<(), String> {
     {
         return Err(format!("unexpected error: {err}"));
     }
+    comm.barrier().map_err(e)
+}
+
+fn pause(comm: &mut Communicator) -> Result<(), String> {
+    let e = |e: collectives::Error| e.to_string();
+    let (n, me) = (comm.size(), comm.rank());
+    let mut pids = vec![0u64; n];
+    pids[me] = std::process::id() as u64;
+    comm.all_reduce_in_place(&mut pids, ReduceOp::Max)
+        .map_err(e)?;
+    if me == 0 {
+        let victim = rustix::process::Pid::from_raw(pids[1] as i32).unwrap();
+        std::thread::spawn(move || {
+            use rustix::process::{kill_process, Signal};
+            std::thread::sleep(Duration::from_millis(500));
+            kill_process(victim, Signal::STOP).unwrap();
+            std::thread::sleep(Duration::from_secs(10));
+            kill_process(victim, Signal::CONT).unwrap();
+        });
+    }
+    let words = (256 << 20) / 4 / n * n;
+    let send: Vec<u32> = (0..words).map(|i| (me * words + i) as u32).collect();
+    let mut recv = vec![0u32; words];
+    let block = words / n;
+    let started = std::time::Instant::now();
+    let mut rounds = 0;
+    // Until well past the stop, and at least 20 rounds.
+    while rounds < 20 || started.elapsed() < Duration::from_secs(12) {
+        comm.all_to_all(&send, &mut recv).map_err(e)?;
+        rounds += 1;
+    }
+    for (j, b) in recv.chunks(block).enumerate() {
+        if b.iter()
+            .enumerate()
+            .any(|(k, v)| *v != (j * words + me * block + k) as u32)
+        {
+            return Err(format!("block from rank {j} is wrong"));
+        }
+    }
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let kb: u64 = (status.lines().find(|l| l.starts_with("VmHWM:")))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0);
+    println!("peak {me} {}", kb * 1024);
     comm.barrier().map_err(e)
 }
 

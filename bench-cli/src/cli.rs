@@ -151,6 +151,10 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file ('-': stdout, the table then goes to stderr)
     #[arg(long)]
     pub json: Option<PathBuf>,
+
+    /// Allow -n above 32 ranks per core (mpirun's flag of the same name)
+    #[arg(long)]
+    pub oversubscribe: bool,
 }
 
 #[derive(Args, Debug, Clone)]

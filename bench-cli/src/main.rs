@@ -5,6 +5,7 @@
 mod bench;
 mod cli;
 mod data;
+mod preflight;
 mod report;
 mod skew;
 mod tune;
@@ -32,7 +33,7 @@ fn main() -> ExitCode {
             collectives::log::init();
             let result = match t.bench.nranks {
                 Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
-                    launch_local(n, &t.bench)
+                    launch_local(Collective::AllReduce, n, &t.bench)
                 }
                 _ => tune_rank(&t).map(|()| 0),
             };
@@ -55,7 +56,7 @@ fn main() -> ExitCode {
     collectives::log::init();
     let result = match args.nranks {
         Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
-            launch_local(n, &args)
+            launch_local(collective, n, &args)
         }
         _ => run_rank(collective, &args).map(|clean| if clean { 0 } else { WRONG_VALUES }),
     };
@@ -85,11 +86,12 @@ fn under_launcher() -> bool {
 }
 
 /// Starts `n` ranks of this very command and waits for them; the exit status
-/// is the ranks' (1: wrong values only, 2: a rank failed).
-fn launch_local(n: usize, args: &BenchArgs) -> Result<u8, String> {
-    if n == 0 {
-        return Err("-n must be at least 1".into());
-    }
+/// is the ranks' (1: wrong values only, 2: a rank failed). Every argument,
+/// the rank count and the memory are checked before anything starts.
+fn launch_local(collective: Collective, n: usize, args: &BenchArgs) -> Result<u8, String> {
+    let config = config(collective, args)?;
+    check_args(collective, args, n)?;
+    preflight::check_launch(collective, args, n, &config)?;
     let job = launch::Launch {
         nranks: n,
         program: std::env::current_exe()
@@ -115,6 +117,23 @@ fn timeout(args: &BenchArgs) -> Result<Duration, String> {
         None if std::env::var("COLL_TIMEOUT").is_ok() => Config::from_env()?.timeout,
         None => DEFAULT_TIMEOUT,
     })
+}
+
+/// The arguments the library would otherwise refuse only in every rank.
+fn check_args(collective: Collective, args: &BenchArgs, n: usize) -> Result<(), String> {
+    args.sizes()?;
+    if let Some(name) = &args.algo {
+        if collectives::algo::find(collective, &name.to_lowercase()).is_none() {
+            return Err(format!(
+                "no {collective} algorithm named '{name}' (collbench algorithms lists them: {})",
+                collectives::algo::names(collective).join(", ")
+            ));
+        }
+    }
+    if collective.rooted() && args.root >= n {
+        return Err(format!("--root {} is not a rank of the {n}", args.root));
+    }
+    Ok(())
 }
 
 /// The library settings: environment first, flags over it.
@@ -167,6 +186,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
     let launcher = boot.source;
     let mut comm =
         Communicator::init(boot, config(collective, args)?).map_err(|e| e.to_string())?;
+    preflight::check_rank(collective, args, comm.size(), comm.config())?;
     let algo = match comm.config().forced_algo(collective) {
         Some(_) => {
             comm.algorithm(collective, 0)

@@ -215,3 +215,40 @@ fn help_teaches() {
         r.stdout
     );
 }
+
+/// Requests the machine cannot serve fail at once, before any rank starts,
+/// with a message that says what to change (exit status 2).
+#[test]
+fn impossible_requests_fail_at_once_with_a_reason() {
+    let cases: [(&[&str], &str); 6] = [
+        (&["allreduce", "-n", "2", "--size", "1T"], "of memory"),
+        (&["alltoallv", "-n", "4", "--size", "8G"], "of memory"),
+        (
+            &["allreduce", "-n", "100000", "--size", "8"],
+            "--oversubscribe",
+        ),
+        (&["allreduce", "-n", "2", "--chunk", "0"], "chunk size 0"),
+        (
+            &["allreduce", "-n", "2", "--depth", "0"],
+            "pipeline depth 0",
+        ),
+        (&["broadcast", "-n", "2", "-r", "5"], "--root 5"),
+    ];
+    for (args, says) in cases {
+        let r = collbench(args);
+        assert!(
+            !r.ok && r.stderr.contains(says),
+            "collbench {args:?}:\n{}",
+            r.stderr
+        );
+        assert!(
+            r.elapsed < Duration::from_secs(2),
+            "collbench {args:?} took {:?}",
+            r.elapsed
+        );
+        assert!(
+            !r.stdout.contains("# collbench"),
+            "collbench {args:?} started ranks"
+        );
+    }
+}
