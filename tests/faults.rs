@@ -321,3 +321,97 @@ fn a_stopped_rank_resumes_and_memory_stays_bounded() {
         );
     }
 }
+
+/// Runs `mode` with the flight records dumped into a fresh directory, and
+/// returns what `collbench trace` says of them.
+fn traced(mode: &str, transport: &str) -> String {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("trace-{mode}-{transport}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let n = "4";
+    let env = [
+        ("COLL_TIMEOUT", "3"),
+        ("COLL_TRANSPORT", transport),
+        ("COLL_TRACE_DUMP_DIR", dir.to_str().unwrap()),
+    ];
+    let r = run(
+        worker(),
+        &["--ranks", n, mode],
+        &env,
+        Duration::from_secs(60),
+    );
+    assert!(!r.ok, "{mode} succeeded");
+    assert_all_gone(&r);
+    let collbench = integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench");
+    let t = run(
+        Path::new(&collbench),
+        &["trace", dir.to_str().unwrap()],
+        &[],
+        Duration::from_secs(10),
+    );
+    assert!(t.ok, "collbench trace failed: {}", t.stderr);
+    t.stdout
+}
+
+/// The flight records name the rank at fault for each kind of failure.
+#[test]
+fn the_flight_records_name_the_rank_at_fault() {
+    for t in TRANSPORTS {
+        let stalled = traced("stall", t);
+        assert!(
+            stalled.contains("verdict: rank 1 left no record while rank(s) "),
+            "{t}: {stalled}"
+        );
+        let skipped = traced("skip", t);
+        assert!(
+            skipped.contains("verdict: rank(s) 1 called broadcast #1 (10 x f32, root 0) where rank(s) 0, 2, 3 called allreduce #1"),
+            "{t}: {skipped}"
+        );
+        let different = traced("different", t);
+        assert!(
+            different.contains("verdict: rank(s) 1 called allgather #1")
+                && different.contains("called allreduce #1"),
+            "{t}: {different}"
+        );
+    }
+}
+
+/// SIGUSR1 makes a rank blocked in a call dump its flight record, which
+/// shows the call and what it waits on; the job goes on.
+#[test]
+fn sigusr1_dumps_the_flight_record_of_a_blocked_rank() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("trace-usr1");
+    let _ = std::fs::remove_dir_all(&dir);
+    let env = [
+        ("COLL_TRACE_DUMP_DIR", dir.to_str().unwrap()),
+        ("COLL_TIMEOUT", "20"),
+    ];
+    let r = run(
+        worker(),
+        &["--ranks", "2", "usr1"],
+        &env,
+        Duration::from_secs(60),
+    );
+    assert!(r.ok, "{}\n{}", r.stdout, r.stderr);
+    let file = std::fs::read_dir(&dir).unwrap().flatten().find(|f| {
+        f.file_name()
+            .to_string_lossy()
+            .starts_with("coll-trace-rank0-")
+    });
+    let text = std::fs::read_to_string(file.expect("rank 0 dumped").path()).unwrap();
+    let doc: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(doc["reason"], "SIGUSR1");
+    let calls = doc["calls"].as_array().unwrap();
+    let current = calls
+        .iter()
+        .rev()
+        .find(|c| c["state"] == "running")
+        .expect("a running call");
+    assert_eq!(current["collective"], "send/recv");
+    assert_eq!(current["waiting_on"]["peer"], 1, "{current}");
+    assert!(
+        doc["stats"]["peers"][1]["messages_sent"].as_u64().unwrap() > 0,
+        "{}",
+        doc["stats"]
+    );
+}

@@ -23,7 +23,11 @@
 //! * `group-die`: rank 1 exits; the others' group reports it at its end;
 //! * `pause`: 256 MiB AllToAlls in a loop while rank 0 stops rank 1 for 10 s
 //!   and resumes it: results right, every rank's peak memory its buffers
-//!   plus bounded staging (printed as `peak RANK BYTES`).
+//!   plus bounded staging (printed as `peak RANK BYTES`);
+//! * `skip` / `different`: rank 1 skips an AllReduce / calls an AllGather
+//!   where the others call an AllReduce (for the flight-record tests);
+//! * `usr1`: rank 0, blocked in a receive rank 1 answers after 1 s, gets
+//!   SIGUSR1 and dumps its flight record meanwhile.
 //!
 //! Each rank prints `pid RANK PID` first, and `ok RANK` when MODE succeeded.
 
@@ -102,6 +106,8 @@ fn run(mode: &[String]) -> Result<(), String> {
         "overlap" => overlap(comm).map_err(e),
         "group" => group(&mut comm),
         "pause" => pause(&mut comm),
+        "skip" | "different" => odd_call(&mut comm, name == "skip").map_err(e),
+        "usr1" => usr1(&mut comm).map_err(e),
         "group-die" => group_die(&mut comm),
         "split" => split(&mut comm),
         "abort" => abort(&mut comm),
@@ -219,12 +225,10 @@ fn pause(comm: &mut Communicator) -> Result<(), String> {
     let send: Vec<u32> = (0..words).map(|i| (me * words + i) as u32).collect();
     let mut recv = vec![0u32; words];
     let block = words / n;
-    let started = std::time::Instant::now();
-    let mut rounds = 0;
-    // Until well past the stop, and at least 20 rounds.
-    while rounds < 20 || started.elapsed() < Duration::from_secs(12) {
+    // The same number of calls on every rank (a count from each rank's own
+    // clock would make them disagree); the stop at 0.5 s falls among them.
+    for _ in 0..30 {
         comm.all_to_all(&send, &mut recv).map_err(e)?;
-        rounds += 1;
     }
     for (j, b) in recv.chunks(block).enumerate() {
         if b.iter()
@@ -240,6 +244,44 @@ fn pause(comm: &mut Communicator) -> Result<(), String> {
         .unwrap_or(0);
     println!("peak {me} {}", kb * 1024);
     comm.barrier().map_err(e)
+}
+
+fn usr1(comm: &mut Communicator) -> Result<(), collectives::Error> {
+    comm.barrier()?;
+    let mut x = [0u32; 4];
+    match comm.rank() {
+        0 => {
+            std::thread::spawn(|| {
+                std::thread::sleep(Duration::from_millis(300));
+                let me = rustix::process::getpid();
+                rustix::process::kill_process(me, rustix::process::Signal::USR1).unwrap();
+            });
+            comm.recv(&mut x, 1)?;
+        }
+        1 => {
+            std::thread::sleep(Duration::from_secs(1));
+            comm.send(&[7u32; 4], 0)?;
+        }
+        _ => {}
+    }
+    comm.barrier()
+}
+
+/// Rank 1 skips the AllReduce the others make (its Broadcast meets their
+/// AllReduce), or calls an AllGather in its place.
+fn odd_call(comm: &mut Communicator, skip: bool) -> Result<(), collectives::Error> {
+    let n = comm.size();
+    comm.barrier()?;
+    let mut x = vec![1.0f32; 1000 * n];
+    match (comm.rank(), skip) {
+        (1, true) => {}
+        (1, false) => {
+            let mine = x[..1000].to_vec();
+            comm.all_gather(&mine, &mut x)?;
+        }
+        _ => comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?,
+    }
+    comm.broadcast(&mut x[..10], 0)
 }
 
 /// Rank 1 leaves; the others' group (a ring exchange) fails at its end,

@@ -66,6 +66,13 @@ pub enum Command {
     Reduce(BenchArgs),
     /// List the registered algorithms (the names --algo accepts)
     Algorithms,
+    /// Merge the flight records ranks dumped into DIR (on a failure, on
+    /// SIGUSR1, or on request; COLL_TRACE_DUMP_DIR, default the temp dir)
+    /// and name the rank at fault: collbench trace /tmp
+    Trace {
+        /// The directory holding coll-trace-rank*.json
+        dir: PathBuf,
+    },
     /// Measure every algorithm of allreduce, broadcast and reduce in this
     /// setting (ranks, ranks per host, transport) and write the selector's
     /// profile: collbench tune -n 8 [--out FILE]

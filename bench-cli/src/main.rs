@@ -8,6 +8,7 @@ mod data;
 mod preflight;
 mod report;
 mod skew;
+mod trace;
 mod tune;
 
 use std::io::Write;
@@ -46,6 +47,15 @@ fn main() -> ExitCode {
         Command::Allgather(a) => (Collective::AllGather, a),
         Command::Broadcast(a) => (Collective::Broadcast, a),
         Command::Reduce(a) => (Collective::Reduce, a),
+        Command::Trace { dir } => {
+            return match trace::run(&dir) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => exit(Err(e)),
+            };
+        }
         Command::Algorithms => {
             for a in ALGORITHMS {
                 println!("{:<14} {:<10} {}", a.collective.name(), a.name, a.summary);
@@ -125,13 +135,16 @@ fn check_args(collective: Collective, args: &BenchArgs, n: usize) -> Result<(), 
     if let Some(name) = &args.algo {
         if collectives::algo::find(collective, &name.to_lowercase()).is_none() {
             return Err(format!(
-                "no {collective} algorithm named '{name}' (collbench algorithms lists them: {})",
+                "no {collective} algorithm named '{name}' (available: {})",
                 collectives::algo::names(collective).join(", ")
             ));
         }
     }
     if collective.rooted() && args.root >= n {
-        return Err(format!("--root {} is not a rank of the {n}", args.root));
+        return Err(format!(
+            "{collective}: root {} is not a rank of the {n}",
+            args.root
+        ));
     }
     Ok(())
 }
@@ -237,6 +250,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
                 check: args.check == 1,
                 rows: &rows,
                 summary: &summary,
+                stats: bench.comm.stats(),
             };
             let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
             if json_to_stdout {

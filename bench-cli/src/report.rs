@@ -158,4 +158,6 @@ pub struct Document<'a> {
     pub check: bool,
     pub rows: &'a [Row],
     pub summary: &'a Summary,
+    /// Rank 0's counters (bytes and messages per peer, calls, waiting).
+    pub stats: collectives::Stats,
 }

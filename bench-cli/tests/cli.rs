@@ -232,7 +232,10 @@ fn impossible_requests_fail_at_once_with_a_reason() {
             &["allreduce", "-n", "2", "--depth", "0"],
             "pipeline depth 0",
         ),
-        (&["broadcast", "-n", "2", "-r", "5"], "--root 5"),
+        (
+            &["broadcast", "-n", "2", "-r", "5"],
+            "broadcast: root 5 is not a rank",
+        ),
     ];
     for (args, says) in cases {
         let r = collbench(args);

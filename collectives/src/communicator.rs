@@ -15,6 +15,7 @@ use crate::bootstrap::{self, Bootstrap};
 use crate::descriptor::Collective;
 use crate::inflight::{InFlight, RawBuf};
 use crate::mesh::{self, Conns, LANES};
+use crate::recorder::{self, Dump, Recorder, Stats};
 use crate::selector::Selector;
 use crate::transfers::Staging;
 use crate::tuning::Setting;
@@ -89,6 +90,8 @@ pub struct Communicator {
     pub(crate) reduce_scatter_buf: Vec<u64>,
     /// Calls started and not finished, and the executor's reusable memory.
     pub(crate) inflight: InFlight,
+    /// The last calls and the counters.
+    pub(crate) recorder: Recorder,
     pub(crate) selector: Selector,
 }
 
@@ -125,6 +128,7 @@ impl Communicator {
     /// Joins the job: rendezvous, then a connection to every other rank.
     pub fn init(boot: Bootstrap, config: Config) -> Result<Self> {
         crate::log::init();
+        recorder::install_signal();
         let rank = boot.rank;
         let fail = |message: String| Error::Bootstrap { rank, message };
         config.validate().map_err(fail)?;
@@ -227,6 +231,7 @@ impl Communicator {
             scratch: Vec::new(),
             reduce_scatter_buf: Vec::new(),
             inflight: InFlight::new(spin),
+            recorder: Recorder::new(size),
         })
     }
 
@@ -315,6 +320,37 @@ impl Communicator {
     /// Whether the communicator was aborted (by a failure or on request), and why.
     pub fn aborted(&self) -> Option<String> {
         self.aborted.clone().or_else(|| self.abort.reason())
+    }
+
+    /// The counters: bytes and messages per peer, calls per collective,
+    /// time spent waiting, failures.
+    pub fn stats(&self) -> Stats {
+        self.recorder.stats.snapshot()
+    }
+
+    /// This rank's flight record: its last calls (what each waits on, if
+    /// running) and counters.
+    pub fn trace(&self, reason: &str) -> Dump {
+        let calls = self.recorder.calls(|n| self.waiting_on(n));
+        Dump {
+            rank: self.rank,
+            size: self.size,
+            host: self.peers[self.rank].hostname.clone(),
+            pid: std::process::id(),
+            reason: reason.to_string(),
+            time: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+            calls,
+            stats: self.stats(),
+        }
+    }
+
+    /// Writes [`trace`](Self::trace) as JSON into `COLL_TRACE_DUMP_DIR`
+    /// (default: the temp dir), `coll-trace-rank<R>-pid<P>.json`; returns
+    /// the path. Also done when a call fails and on SIGUSR1.
+    pub fn dump_trace(&self, reason: &str) -> std::io::Result<std::path::PathBuf> {
+        recorder::write(&self.trace(reason), &recorder::dump_dir())
     }
 
     /// Keeps `bytes` registered with the transports until
@@ -434,6 +470,27 @@ impl Communicator {
             c.abort(reason);
         }
         self.aborted = Some(reason.to_string());
+    }
+}
+
+impl Drop for Communicator {
+    /// Writes the counters where `COLL_STATS` says (`{rank}` in the path is
+    /// replaced by the rank; without it, `.rank<R>.json` is appended).
+    fn drop(&mut self) {
+        let Some(path) = std::env::var_os("COLL_STATS") else {
+            return;
+        };
+        let path = path.to_string_lossy();
+        let path = match path.contains("{rank}") {
+            true => path.replace("{rank}", &self.rank.to_string()),
+            false => format!("{path}.rank{}.json", self.rank),
+        };
+        let written = serde_json::to_string_pretty(&self.stats())
+            .map_err(std::io::Error::other)
+            .and_then(|text| std::fs::write(&path, text + "\n"));
+        if let Err(e) = written {
+            tracing::warn!(rank = self.rank, "COLL_STATS: could not write {path}: {e}");
+        }
     }
 }
 

@@ -22,6 +22,7 @@ use crate::args::CallArgs;
 use crate::descriptor::{CallDesc, Collective};
 use crate::executor::{Execution, Progress, Windows};
 use crate::mesh::{Lane, LANES};
+use crate::recorder::{self, Slot};
 use crate::schedule::Schedule;
 use crate::transfers::{self, Region, Transfers};
 use crate::{Communicator, Error, ReduceOp, Result};
@@ -99,6 +100,8 @@ struct Call {
     input: Option<RawBuf>,
     output: RawBuf,
     state: State,
+    /// Its record in the flight recorder.
+    slot: Slot,
 }
 
 /// A running call's schedule, execution and registered buffers; kept for
@@ -206,8 +209,17 @@ impl Communicator {
             );
         let id = CallId(self.inflight.next_id);
         self.inflight.next_id += 1;
+        let peer = args
+            .peer
+            .map(|p| (p.rank(), matches!(p, crate::Peer::To(_))));
+        let bytes = input.map_or(0, |b| b.len).max(output.len);
+        let slot = self.recorder.start(desc, peer, bytes);
+        if skip {
+            self.recorder.finished(slot, true);
+        }
         self.inflight.calls.push(Call {
             id,
+            slot,
             args: args.clone(),
             desc,
             input,
@@ -253,6 +265,10 @@ impl Communicator {
             self.close(&reason);
             return true;
         }
+        if recorder::dump_requests() > self.recorder.dumps_seen {
+            self.recorder.dumps_seen = recorder::dump_requests();
+            self.dump_logged("SIGUSR1");
+        }
         let mut moved = false;
         for at in 0..self.inflight.calls.len() {
             let call = &mut self.inflight.calls[at];
@@ -261,6 +277,7 @@ impl Communicator {
             };
             let desc = call.desc;
             let mut fx = Transfers {
+                stats: &mut self.recorder.stats,
                 peers: &mut self.lanes[run.lane],
                 input: run.input.as_ref(),
                 output: run.output.as_ref().expect("a running call has its output"),
@@ -319,9 +336,13 @@ impl Communicator {
         let wake = [self.abort.wake_fd()];
         let extra = extra.into_iter().chain(wake);
         let timeout = self.config.timeout;
-        match self.inflight.poller.idle(conns, extra, timeout) {
+        let idled = std::time::Instant::now();
+        let idle = self.inflight.poller.idle(conns, extra, timeout);
+        self.recorder.stats.wait_seconds += idled.elapsed().as_secs_f64();
+        match idle {
             Ok(true) => {}
             Ok(false) => {
+                self.recorder.stats.timeouts += 1;
                 let call = &self.inflight.calls[oldest];
                 let State::Running(run) = &call.state else {
                     unreachable!()
@@ -342,12 +363,38 @@ impl Communicator {
     /// peers why) and every other call fails with it.
     fn fail(&mut self, at: usize, e: Error) {
         let reason = root_cause(&e);
+        // Dumped while the call still shows what it waits on.
+        self.dump_logged(&e.to_string());
         self.finish(at, Err(e));
         self.close(&reason);
     }
 
+    /// Dumps the flight record, saying where in the log (failures only
+    /// warn: the caller gets the error itself).
+    fn dump_logged(&self, reason: &str) {
+        match self.dump_trace(reason) {
+            Ok(path) => tracing::warn!(
+                rank = self.rank,
+                "flight record dumped to {} (collbench trace {} merges every rank's)",
+                path.display(),
+                recorder::dump_dir().display()
+            ),
+            Err(e) => tracing::warn!(rank = self.rank, "could not dump the flight record: {e}"),
+        }
+    }
+
+    /// What the running call recorded as number `n` waits on.
+    pub(crate) fn waiting_on(&self, n: u64) -> Option<crate::executor::Waiting> {
+        let call = self.inflight.calls.iter().find(|c| c.slot.number() == n)?;
+        match &call.state {
+            State::Running(run) => run.exec.waiting_on(&run.sched),
+            _ => None,
+        }
+    }
+
     fn finish(&mut self, at: usize, result: Result<()>) {
         let ok = result.is_ok();
+        self.recorder.finished(self.inflight.calls[at].slot, ok);
         let state = std::mem::replace(&mut self.inflight.calls[at].state, State::Finished(result));
         if let State::Running(mut run) = state {
             if let (Some(out), true) = (run.copy_out, ok) {
@@ -397,7 +444,7 @@ impl Communicator {
         let (mut input, mut output) = (call.input, call.output);
         let elem = desc.dtype.size();
         let larger = input.map_or(0, |b| b.len).max(output.len);
-        let (build, in_place_ok, lane, windows) = match desc.collective {
+        let (build, in_place_ok, lane, windows, algo_name) = match desc.collective {
             Collective::PointToPoint => (
                 algo::POINT_TO_POINT,
                 true,
@@ -407,6 +454,7 @@ impl Communicator {
                     recvs: usize::MAX,
                     slots: 0,
                 },
+                "p2p",
             ),
             c => {
                 let algo = self.selector.choose_cached(&self.config, c, larger)?;
@@ -415,7 +463,13 @@ impl Communicator {
                     recvs: self.config.depth,
                     slots: self.staging.slots,
                 };
-                (algo.build, algo.in_place, Lane::Collective, windows)
+                (
+                    algo.build,
+                    algo.in_place,
+                    Lane::Collective,
+                    windows,
+                    algo.name,
+                )
             }
         };
         let mut copy_out = None;
@@ -451,6 +505,8 @@ impl Communicator {
         let mut run = self.inflight.spare.pop().unwrap_or_default();
         run.sched.clear();
         build(&layout, &mut run.sched);
+        let slot = self.inflight.calls[at].slot;
+        self.recorder.running(slot, algo_name, layout.chunk);
         tracing::debug!(rank, call = %desc, chunk = layout.chunk, steps = run.sched.len(), "start");
         self.inflight.calls[at].args.counts = counts;
         run.input = match input {

@@ -63,6 +63,8 @@ impl Staging {
 
 /// Everything a schedule's steps act on.
 pub(crate) struct Transfers<'a> {
+    /// Counts every message posted.
+    pub stats: &'a mut crate::recorder::Stats,
     pub peers: &'a mut [Option<Box<dyn Connection>>],
     /// `None` for in-place calls.
     pub input: Option<&'a Region>,
@@ -93,6 +95,8 @@ impl Effects for Transfers<'_> {
         };
         let mr = mr.clone();
         let tag = step.tag.unwrap_or(self.tag);
+        self.stats
+            .count_message(step.peer, step.is_send(), step.span.len);
         let conn = connection(self.peers, step.peer)?;
         // SAFETY: the span or slot stays valid for the whole call (the
         // caller aborts the connections before returning on error), and

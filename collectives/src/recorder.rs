@@ -1,0 +1,371 @@
+//! The flight recorder: every communicator keeps its last calls (2000, or
+//! `COLL_TRACE_BUFFER`) in a fixed ring of plain records, updated where a
+//! call starts, begins running and finishes: a few stores per call, no
+//! allocation, always on. Dumped as JSON, one file per rank, when a call
+//! fails (a timeout, a dead or disagreeing peer), on SIGUSR1, and on request
+//! ([`Communicator::dump_trace`]); `collbench trace DIR` merges the dumps
+//! and names the rank at fault.
+//!
+//! Besides the calls, counters: bytes and messages per peer each way, calls
+//! per collective, time spent waiting, failures ([`Stats`]).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
+
+use serde::Serialize;
+use transport::Rank;
+
+use crate::descriptor::{CallDesc, Collective};
+use crate::executor::Waiting;
+
+/// Calls kept when `COLL_TRACE_BUFFER` does not say.
+pub const DEFAULT_CALLS: usize = 2000;
+
+/// Where a recorded call is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Phase {
+    /// Started, waiting for the collective before it.
+    Queued,
+    Running,
+    Done,
+    Failed,
+}
+
+/// One call, as the ring keeps it (plain data: recording costs stores).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Entry {
+    pub desc: CallDesc,
+    /// Point-to-point: the peer, and whether this rank sends.
+    pub peer: Option<(Rank, bool)>,
+    pub algorithm: &'static str,
+    pub chunk: usize,
+    pub bytes: usize,
+    pub phase: Phase,
+    /// [`ticks`] at start and end (0: not yet).
+    pub started: u64,
+    pub ended: u64,
+}
+
+/// A cheap timestamp: the time-stamp counter where there is one (a clock
+/// read costs tens of nanoseconds in a VM, twice per call), converted to
+/// microseconds only when a dump is written.
+fn ticks() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: rdtsc exists on every x86_64 and has no preconditions.
+    return unsafe { core::arch::x86_64::_rdtsc() };
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
+    }
+}
+
+/// The ring of recent calls and the counters of one communicator.
+pub(crate) struct Recorder {
+    ring: Vec<Entry>,
+    capacity: usize,
+    /// Calls recorded so far (the ring holds the last `capacity`).
+    recorded: u64,
+    /// Where the next call goes in the ring.
+    next: usize,
+    /// When the recorder was made, by the clock and in [`ticks`].
+    born: Instant,
+    born_ticks: u64,
+    pub stats: Stats,
+    /// SIGUSR1s this communicator has dumped for.
+    pub dumps_seen: u64,
+}
+
+/// A call's place in the ring, while it can still be updated: its number
+/// on the communicator and its index in the ring.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Slot(u64, usize);
+
+impl Slot {
+    /// The call's number on its communicator (`CallRecord::number`).
+    pub fn number(self) -> u64 {
+        self.0
+    }
+}
+
+impl Recorder {
+    pub fn new(size: usize) -> Self {
+        let capacity = std::env::var("COLL_TRACE_BUFFER")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(DEFAULT_CALLS)
+            .max(1);
+        Recorder {
+            ring: Vec::with_capacity(capacity.min(1 << 16)),
+            capacity,
+            recorded: 0,
+            next: 0,
+            born: Instant::now(),
+            born_ticks: ticks(),
+            stats: Stats::new(size),
+            dumps_seen: dump_requests(),
+        }
+    }
+
+    /// Records a call that just started.
+    pub fn start(&mut self, desc: CallDesc, peer: Option<(Rank, bool)>, bytes: usize) -> Slot {
+        let entry = Entry {
+            desc,
+            peer,
+            algorithm: "",
+            chunk: 0,
+            bytes,
+            phase: Phase::Queued,
+            started: ticks(),
+            ended: 0,
+        };
+        let at = self.next;
+        match self.ring.len() < self.capacity {
+            true => self.ring.push(entry),
+            false => self.ring[at] = entry,
+        }
+        self.next = if at + 1 == self.capacity { 0 } else { at + 1 };
+        let slot = Slot(self.recorded, at);
+        self.recorded += 1;
+        self.stats.by_kind[desc.collective as usize] += 1;
+        slot
+    }
+
+    /// The entry of `slot`, unless the ring has moved past it.
+    pub fn entry(&mut self, slot: Slot) -> Option<&mut Entry> {
+        if self.recorded - slot.0 > self.capacity as u64 {
+            return None;
+        }
+        self.ring.get_mut(slot.1)
+    }
+
+    pub fn running(&mut self, slot: Slot, algorithm: &'static str, chunk: usize) {
+        if let Some(e) = self.entry(slot) {
+            e.phase = Phase::Running;
+            e.algorithm = algorithm;
+            e.chunk = chunk;
+        }
+    }
+
+    pub fn finished(&mut self, slot: Slot, ok: bool) {
+        if let Some(e) = self.entry(slot) {
+            e.phase = if ok { Phase::Done } else { Phase::Failed };
+            e.ended = ticks();
+        }
+        if !ok {
+            self.stats.failures += 1;
+        }
+    }
+
+    /// The recorded calls, oldest first, as a dump shows them; `waiting`
+    /// says what an unfinished call waits on.
+    pub fn calls(&self, waiting: impl Fn(u64) -> Option<Waiting>) -> Vec<CallRecord> {
+        let first = self.recorded.saturating_sub(self.ring.len() as u64);
+        // Ticks per microsecond, measured over the recorder's life.
+        let elapsed_us = self.born.elapsed().as_secs_f64() * 1e6;
+        let per_us = (ticks().wrapping_sub(self.born_ticks) as f64 / elapsed_us.max(1.0)).max(1e-9);
+        let at = |t: u64| t.wrapping_sub(self.born_ticks) as f64 / per_us;
+        (first..self.recorded)
+            .map(|n| {
+                let e = &self.ring[(n % self.capacity as u64) as usize];
+                CallRecord {
+                    number: n,
+                    call: e.desc.to_string(),
+                    collective: e.desc.collective.name(),
+                    seq: e.desc.seq,
+                    count: e.desc.count,
+                    dtype: e.desc.dtype.name(),
+                    op: e.desc.op.map(|o| o.name()),
+                    root: e.desc.root,
+                    peer: e.peer.map(|(p, _)| p),
+                    direction: e.peer.map(|(_, send)| if send { "send" } else { "recv" }),
+                    algorithm: e.algorithm,
+                    chunk: e.chunk,
+                    bytes: e.bytes,
+                    state: match e.phase {
+                        Phase::Queued => "queued",
+                        Phase::Running => "running",
+                        Phase::Done => "done",
+                        Phase::Failed => "failed",
+                    },
+                    waiting_on: (matches!(e.phase, Phase::Running))
+                        .then(|| waiting(n))
+                        .flatten()
+                        .map(WaitRecord::from),
+                    start_us: at(e.started),
+                    end_us: (e.ended != 0).then(|| at(e.ended)),
+                }
+            })
+            .collect()
+    }
+}
+
+/// Counters of one communicator (see [`Communicator::stats`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Stats {
+    /// Per peer rank: bytes and messages this rank posted to it and from it.
+    pub peers: Vec<PeerStats>,
+    /// Calls started, by collective name.
+    pub calls: Vec<(String, u64)>,
+    /// The same, by `Collective` discriminant (what a call increments).
+    #[serde(skip)]
+    by_kind: [u64; 16],
+    /// Seconds spent idle waiting for a peer (spinning, yielding, sleeping).
+    pub wait_seconds: f64,
+    /// Calls that failed (timeouts included) and timeouts alone.
+    pub failures: u64,
+    pub timeouts: u64,
+}
+
+/// Traffic with one peer.
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct PeerStats {
+    pub bytes_sent: u64,
+    pub messages_sent: u64,
+    pub bytes_received: u64,
+    pub messages_received: u64,
+}
+
+impl Stats {
+    fn new(size: usize) -> Self {
+        Stats {
+            peers: vec![PeerStats::default(); size],
+            ..Stats::default()
+        }
+    }
+
+    /// A copy with the calls per collective named.
+    pub(crate) fn snapshot(&self) -> Stats {
+        let mut s = self.clone();
+        s.calls = (Collective::ALL.iter().chain([&Collective::PointToPoint]))
+            .map(|c| (c.name().to_string(), self.by_kind[*c as usize]))
+            .collect();
+        s
+    }
+
+    /// A message of `bytes` posted to (`send`) or from `peer`.
+    pub(crate) fn count_message(&mut self, peer: Rank, send: bool, bytes: usize) {
+        if let Some(p) = self.peers.get_mut(peer) {
+            match send {
+                true => {
+                    (p.bytes_sent, p.messages_sent) =
+                        (p.bytes_sent + bytes as u64, p.messages_sent + 1)
+                }
+                false => {
+                    (p.bytes_received, p.messages_received) =
+                        (p.bytes_received + bytes as u64, p.messages_received + 1)
+                }
+            }
+        }
+    }
+}
+
+/// A call in a dump.
+#[derive(Clone, Debug, Serialize)]
+pub struct CallRecord {
+    /// Calls this communicator started before this one (all kinds).
+    pub number: u64,
+    /// As errors print it: `allreduce #57 (1024 x f32, sum)`.
+    pub call: String,
+    pub collective: &'static str,
+    pub seq: u32,
+    pub count: u64,
+    pub dtype: &'static str,
+    pub op: Option<&'static str>,
+    pub root: Option<u16>,
+    pub peer: Option<Rank>,
+    pub direction: Option<&'static str>,
+    pub algorithm: &'static str,
+    pub chunk: usize,
+    pub bytes: usize,
+    /// queued, running, done or failed.
+    pub state: &'static str,
+    pub waiting_on: Option<WaitRecord>,
+    /// Microseconds since the communicator was made.
+    pub start_us: f64,
+    pub end_us: Option<f64>,
+}
+
+/// What a running call waits for.
+#[derive(Clone, Debug, Serialize)]
+pub struct WaitRecord {
+    pub peer: Rank,
+    /// "send" or "receive".
+    pub kind: &'static str,
+    /// 1-based message number on that peer's queue, and the queue's length.
+    pub message: usize,
+    pub of: usize,
+    pub bytes: usize,
+}
+
+impl From<Waiting> for WaitRecord {
+    fn from(w: Waiting) -> Self {
+        WaitRecord {
+            peer: w.peer,
+            kind: if w.send { "send" } else { "receive" },
+            message: w.index,
+            of: w.of,
+            bytes: w.bytes,
+        }
+    }
+}
+
+/// A whole dump: one rank's view.
+#[derive(Clone, Debug, Serialize)]
+pub struct Dump {
+    pub rank: Rank,
+    pub size: usize,
+    pub host: String,
+    pub pid: u32,
+    /// Why it was written: the failure, "SIGUSR1" or "on request".
+    pub reason: String,
+    /// Seconds since the Unix epoch.
+    pub time: f64,
+    pub calls: Vec<CallRecord>,
+    pub stats: Stats,
+}
+
+/// Counts SIGUSR1s: a communicator that has seen fewer dumps on its next step.
+static DUMP_REQUESTS: AtomicU64 = AtomicU64::new(0);
+static SIGNAL_INSTALLED: std::sync::Once = std::sync::Once::new();
+
+/// Installs the SIGUSR1 handler (once per process). It only sets a flag:
+/// the communicators dump on their next step.
+pub(crate) fn install_signal() {
+    SIGNAL_INSTALLED.call_once(|| {
+        extern "C" fn on_usr1(_: libc::c_int) {
+            DUMP_REQUESTS.fetch_add(1, Ordering::SeqCst);
+        }
+        // SAFETY: the handler only stores to an atomic (async-signal-safe);
+        // SA_RESTART keeps interrupted system calls going.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_usr1 as extern "C" fn(libc::c_int) as usize;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            libc::sigaction(libc::SIGUSR1, &action, std::ptr::null_mut());
+        }
+    });
+}
+
+/// SIGUSR1s received so far (a communicator dumps when it has seen fewer).
+pub(crate) fn dump_requests() -> u64 {
+    DUMP_REQUESTS.load(Ordering::Relaxed)
+}
+
+/// Where dumps go: `COLL_TRACE_DUMP_DIR`, else the temp dir.
+pub(crate) fn dump_dir() -> PathBuf {
+    std::env::var_os("COLL_TRACE_DUMP_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
+/// Writes `dump` as `coll-trace-rank<R>-pid<P>.json` in `dir`.
+pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
+    let path = dir.join(format!("coll-trace-rank{}-pid{}.json", dump.rank, dump.pid));
+    let text = serde_json::to_string_pretty(dump).map_err(std::io::Error::other)?;
+    std::fs::write(&path, text + "\n")?;
+    Ok(path)
+}
