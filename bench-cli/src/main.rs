@@ -114,6 +114,12 @@ fn launch_local(collective: Collective, n: usize, args: &BenchArgs) -> Result<u8
     for f in &outcome.failures {
         collectives::log::eprint_line(&format!("collbench: {f}"));
     }
+    if let Some(path) = std::env::var("COLL_TRACE")
+        .ok()
+        .filter(|p| !p.contains("{rank}") && !p.is_empty())
+    {
+        merge_traces(&path, n)?;
+    }
     Ok(match outcome.worst_status {
         0 => 0,
         WRONG_VALUES => WRONG_VALUES,
@@ -127,6 +133,27 @@ fn timeout(args: &BenchArgs) -> Result<Duration, String> {
         None if std::env::var("COLL_TIMEOUT").is_ok() => Config::from_env()?.timeout,
         None => DEFAULT_TIMEOUT,
     })
+}
+
+/// Merges the ranks' Chrome traces (`<path>.rank<R>.json`) into `<path>`:
+/// one file, one process per rank.
+fn merge_traces(path: &str, n: usize) -> Result<(), String> {
+    let mut events = Vec::new();
+    for rank in 0..n {
+        let part = format!("{path}.rank{rank}.json");
+        let Ok(text) = std::fs::read_to_string(&part) else {
+            continue; // a rank that failed may have written none
+        };
+        let doc: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| format!("{part}: {e}"))?;
+        if let Some(list) = doc["traceEvents"].as_array() {
+            events.extend(list.iter().cloned());
+        }
+        let _ = std::fs::remove_file(&part);
+    }
+    let doc = serde_json::json!({"traceEvents": events, "displayTimeUnit": "ms"});
+    std::fs::write(path, serde_json::to_vec(&doc).map_err(|e| e.to_string())?)
+        .map_err(|e| format!("COLL_TRACE: cannot write {path}: {e}"))
 }
 
 /// The arguments the library would otherwise refuse only in every rank.

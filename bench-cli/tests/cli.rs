@@ -255,3 +255,47 @@ fn impossible_requests_fail_at_once_with_a_reason() {
         );
     }
 }
+
+/// COLL_TRACE writes one Chrome trace-event file with every rank: a span
+/// per call and per message, valid JSON that Perfetto opens.
+#[test]
+fn coll_trace_writes_a_chrome_trace_of_every_rank() {
+    let path = Path::new(env!("CARGO_TARGET_TMPDIR")).join("trace.json");
+    let _ = std::fs::remove_file(&path);
+    let exe = Path::new(env!("CARGO_BIN_EXE_collbench"));
+    let env = [("COLL_TRACE", path.to_str().unwrap())];
+    let args = [
+        "allreduce",
+        "-n",
+        "3",
+        "--size",
+        "4M",
+        "--chunk",
+        "256K",
+        "--iters",
+        "2",
+        "-w",
+        "0",
+    ];
+    let r = run(exe, &args, &env, Duration::from_secs(120));
+    assert!(r.ok, "{}", r.stderr);
+    let doc: Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).expect("valid JSON");
+    let events = doc["traceEvents"].as_array().unwrap();
+    let spans: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for rank in 0..3 {
+        let mine = |name: &str| {
+            spans
+                .iter()
+                .any(|e| e["pid"] == rank && e["name"].as_str().unwrap().starts_with(name))
+        };
+        assert!(mine("allreduce #"), "rank {rank}: no call span");
+        assert!(
+            mine("send to ") && mine("receive from "),
+            "rank {rank}: no message spans"
+        );
+        assert!(mine("reduce"), "rank {rank}: no reduction spans");
+    }
+    assert!(spans
+        .iter()
+        .all(|e| e["dur"].as_f64().unwrap() >= 0.0 && e["ts"].as_f64().unwrap() > 1e15));
+}

@@ -231,7 +231,7 @@ impl Communicator {
             scratch: Vec::new(),
             reduce_scatter_buf: Vec::new(),
             inflight: InFlight::new(spin),
-            recorder: Recorder::new(size),
+            recorder: Recorder::new(rank, size),
         })
     }
 
@@ -475,8 +475,18 @@ impl Communicator {
 
 impl Drop for Communicator {
     /// Writes the counters where `COLL_STATS` says (`{rank}` in the path is
-    /// replaced by the rank; without it, `.rank<R>.json` is appended).
+    /// replaced by the rank; without it, `.rank<R>.json` is appended), and
+    /// the trace where `COLL_TRACE` says (the same way).
     fn drop(&mut self) {
+        if let (Some(t), Some(path)) = (
+            &self.recorder.timeline,
+            crate::timeline::path_for(self.rank),
+        ) {
+            let events = t.events(self.rank, self.size, |at| self.recorder.unix_us(at));
+            if let Err(e) = crate::timeline::write(&path, events) {
+                tracing::warn!(rank = self.rank, "COLL_TRACE: could not write {path}: {e}");
+            }
+        }
         let Some(path) = std::env::var_os("COLL_STATS") else {
             return;
         };

@@ -277,7 +277,8 @@ impl Communicator {
             };
             let desc = call.desc;
             let mut fx = Transfers {
-                stats: &mut self.recorder.stats,
+                recorder: &mut self.recorder,
+                lane: run.lane,
                 peers: &mut self.lanes[run.lane],
                 input: run.input.as_ref(),
                 output: run.output.as_ref().expect("a running call has its output"),

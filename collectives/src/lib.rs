@@ -45,6 +45,7 @@ pub mod reduce;
 mod schedule;
 mod selector;
 mod split;
+mod timeline;
 mod transfers;
 pub mod tuning;
 

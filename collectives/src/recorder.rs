@@ -50,7 +50,7 @@ pub(crate) struct Entry {
 /// A cheap timestamp: the time-stamp counter where there is one (a clock
 /// read costs tens of nanoseconds in a VM, twice per call), converted to
 /// microseconds only when a dump is written.
-fn ticks() -> u64 {
+pub(crate) fn ticks() -> u64 {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: rdtsc exists on every x86_64 and has no preconditions.
     return unsafe { core::arch::x86_64::_rdtsc() };
@@ -75,6 +75,10 @@ pub(crate) struct Recorder {
     pub stats: Stats,
     /// SIGUSR1s this communicator has dumped for.
     pub dumps_seen: u64,
+    /// Spans for `COLL_TRACE`, when it is set.
+    pub timeline: Option<crate::timeline::Timeline>,
+    /// The wall clock when the recorder was made (traces of ranks line up).
+    born_unix_us: f64,
 }
 
 /// A call's place in the ring, while it can still be updated: its number
@@ -90,7 +94,7 @@ impl Slot {
 }
 
 impl Recorder {
-    pub fn new(size: usize) -> Self {
+    pub fn new(rank: Rank, size: usize) -> Self {
         let capacity = std::env::var("COLL_TRACE_BUFFER")
             .ok()
             .and_then(|v| v.trim().parse().ok())
@@ -105,6 +109,10 @@ impl Recorder {
             born_ticks: ticks(),
             stats: Stats::new(size),
             dumps_seen: dump_requests(),
+            timeline: crate::timeline::path_for(rank).map(|_| Default::default()),
+            born_unix_us: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64() * 1e6),
         }
     }
 
@@ -149,13 +157,25 @@ impl Recorder {
     }
 
     pub fn finished(&mut self, slot: Slot, ok: bool) {
+        let mut span = None;
         if let Some(e) = self.entry(slot) {
             e.phase = if ok { Phase::Done } else { Phase::Failed };
             e.ended = ticks();
+            span = Some((e.desc, e.started, e.ended, e.bytes));
+        }
+        if let (Some(t), Some((desc, start, end, bytes))) = (&mut self.timeline, span) {
+            t.call(desc.to_string(), start, end, bytes);
         }
         if !ok {
             self.stats.failures += 1;
         }
+    }
+
+    /// Microseconds since the Unix epoch of a [`ticks`] reading.
+    pub fn unix_us(&self, t: u64) -> f64 {
+        let elapsed_us = self.born.elapsed().as_secs_f64() * 1e6;
+        let per_us = (ticks().wrapping_sub(self.born_ticks) as f64 / elapsed_us.max(1.0)).max(1e-9);
+        self.born_unix_us + t.wrapping_sub(self.born_ticks) as f64 / per_us
     }
 
     /// The recorded calls, oldest first, as a dump shows them; `waiting`

@@ -63,8 +63,10 @@ impl Staging {
 
 /// Everything a schedule's steps act on.
 pub(crate) struct Transfers<'a> {
-    /// Counts every message posted.
-    pub stats: &'a mut crate::recorder::Stats,
+    /// Counts every message posted (and traces it under `COLL_TRACE`).
+    pub recorder: &'a mut crate::recorder::Recorder,
+    /// Which lane `peers` is (to tell its requests apart in a trace).
+    pub lane: usize,
     pub peers: &'a mut [Option<Box<dyn Connection>>],
     /// `None` for in-place calls.
     pub input: Option<&'a Region>,
@@ -95,23 +97,31 @@ impl Effects for Transfers<'_> {
         };
         let mr = mr.clone();
         let tag = step.tag.unwrap_or(self.tag);
-        self.stats
-            .count_message(step.peer, step.is_send(), step.span.len);
-        let conn = connection(self.peers, step.peer)?;
+        let (peer, send, len) = (step.peer, step.is_send(), step.span.len);
+        self.recorder.stats.count_message(peer, send, len);
+        let conn = connection(self.peers, peer)?;
         // SAFETY: the span or slot stays valid for the whole call (the
         // caller aborts the connections before returning on error), and
         // the schedule's `after` edges keep anyone else off these bytes
         // until the request completes.
-        unsafe {
+        let request = unsafe {
             match step.kind {
-                Kind::Send => conn.isend(&mr, offset, step.span.len, tag),
-                _ => conn.irecv(&mr, offset, step.span.len, tag),
+                Kind::Send => conn.isend(&mr, offset, len, tag),
+                _ => conn.irecv(&mr, offset, len, tag),
             }
+        }?;
+        if let Some(t) = &mut self.recorder.timeline {
+            t.posted(self.lane, peer, request, send, len);
         }
+        Ok(request)
     }
 
     fn is_done(&mut self, peer: Rank, token: Request) -> transport::Result<bool> {
-        Ok(connection(self.peers, peer)?.is_done(token))
+        let done = connection(self.peers, peer)?.is_done(token);
+        if let (true, Some(t)) = (done, &mut self.recorder.timeline) {
+            t.completed(self.lane, peer, token);
+        }
+        Ok(done)
     }
 
     fn progress(&mut self, involved: &[bool]) -> transport::Result<bool> {
@@ -123,6 +133,28 @@ impl Effects for Transfers<'_> {
     }
 
     fn apply(&mut self, action: Action, span: Span, from: Source) {
+        let traced = self
+            .recorder
+            .timeline
+            .is_some()
+            .then(crate::recorder::ticks);
+        self.act(action, span, from);
+        if let (Some(start), Some(t)) = (traced, &mut self.recorder.timeline) {
+            let name = match action {
+                Action::Copy => "copy",
+                Action::Reduce { .. } => "reduce",
+            };
+            t.local(name, start, span.len);
+        }
+    }
+    fn copy(&mut self, from: Span, to: Span) {
+        self.span_mut(to).copy_from_slice(self.span(from));
+    }
+}
+
+impl Transfers<'_> {
+    /// `span (action)= from`.
+    fn act(&self, action: Action, span: Span, from: Source) {
         let src = match from {
             // The slot holds a completed receive; no request targets it
             // until the executor frees it after this.
@@ -144,12 +176,6 @@ impl Effects for Transfers<'_> {
         }
     }
 
-    fn copy(&mut self, from: Span, to: Span) {
-        self.span_mut(to).copy_from_slice(self.span(from));
-    }
-}
-
-impl Transfers<'_> {
     fn region(&self, buf: Buf) -> &Region {
         match (buf, self.input) {
             (Buf::Input, Some(input)) => input,
