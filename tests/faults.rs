@@ -88,6 +88,14 @@ fn silent_rank(transport: &str) {
         r.stderr
     );
     assert_named(&r, &[0, 2], "allreduce #");
+    // The rank that timed out asked the others: the root cause is rank 1,
+    // even when it waited on rank 2 (stuck behind 1).
+    assert!(
+        r.stderr
+            .contains("root cause: rank 1 did not answer within 2 s while rank(s) "),
+        "{transport}: {}",
+        r.stderr
+    );
     // The stopped rank is killed once the grace period after the first
     // failure is over.
     assert!(
@@ -96,6 +104,22 @@ fn silent_rank(transport: &str) {
         r.stderr
     );
     assert_all_gone(&r);
+}
+
+/// A rank computing past the others' timeout is named as the root cause,
+/// with where it is, by the ranks that time out waiting for it.
+#[test]
+fn a_rank_behind_is_named_as_the_root_cause() {
+    for t in TRANSPORTS {
+        let r = job(4, &["behind"], t, "2");
+        assert!(!r.ok, "{t}");
+        assert!(
+            r.stderr.contains("root cause: rank 1 never entered allreduce #1 (1000 x f32, sum) (its last call, barrier #0, is done: it is in no call); rank(s) 0, 2, 3 wait for it"),
+            "{t}: {}",
+            r.stderr
+        );
+        assert_all_gone(&r);
+    }
 }
 
 #[test]

@@ -26,6 +26,8 @@
 //!   plus bounded staging (printed as `peak RANK BYTES`);
 //! * `skip` / `different`: rank 1 skips an AllReduce / calls an AllGather
 //!   where the others call an AllReduce (for the flight-record tests);
+//! * `behind`: rank 1 computes past the timeout before an AllReduce the
+//!   others are in (for the root-cause line of their timeout);
 //! * `usr1`: rank 0, blocked in a receive rank 1 answers after 1 s, gets
 //!   SIGUSR1 and dumps its flight record meanwhile.
 //!
@@ -108,6 +110,7 @@ fn run(mode: &[String]) -> Result<(), String> {
         "pause" => pause(&mut comm),
         "skip" | "different" => odd_call(&mut comm, name == "skip").map_err(e),
         "usr1" => usr1(&mut comm).map_err(e),
+        "behind" => behind(&mut comm).map_err(e),
         "group-die" => group_die(&mut comm),
         "split" => split(&mut comm),
         "abort" => abort(&mut comm),
@@ -265,6 +268,16 @@ fn usr1(comm: &mut Communicator) -> Result<(), collectives::Error> {
         _ => {}
     }
     comm.barrier()
+}
+
+/// Rank 1 is busy (outside any call) until after the others' timeout.
+fn behind(comm: &mut Communicator) -> Result<(), collectives::Error> {
+    comm.barrier()?;
+    if comm.rank() == 1 {
+        std::thread::sleep(comm.config().timeout * 3);
+    }
+    let mut x = vec![1.0f32; 1000];
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
 }
 
 /// Rank 1 skips the AllReduce the others make (its Broadcast meets their

@@ -9,6 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
+use collectives::status::{verdict as verdict_of, Position, RankState};
 use serde_json::Value;
 
 /// One rank's latest dump.
@@ -20,6 +21,8 @@ struct RankDump {
     reason: String,
     /// Its current call: the last that is not done.
     current: Option<Value>,
+    /// Its newest collective call, done or not.
+    last_collective: Option<Value>,
 }
 
 pub fn run(dir: &Path) -> Result<String, String> {
@@ -69,8 +72,10 @@ fn read(dir: &Path) -> Result<BTreeMap<usize, RankDump>, String> {
         let text = std::fs::read_to_string(entry.path()).map_err(|e| format!("{name}: {e}"))?;
         let v: Value = serde_json::from_str(&text).map_err(|e| format!("{name}: {e}"))?;
         let number = |k: &str| v[k].as_u64().unwrap_or(0);
-        let current = (v["calls"].as_array())
-            .and_then(|calls| calls.iter().rev().find(|c| c["state"] != "done").cloned());
+        let calls = v["calls"].as_array();
+        let current = calls.and_then(|c| c.iter().rev().find(|c| c["state"] != "done").cloned());
+        let last_collective =
+            calls.and_then(|c| c.iter().rev().find(|c| c["peer"].is_null()).cloned());
         let dump = RankDump {
             rank: number("rank") as usize,
             size: number("size") as usize,
@@ -78,6 +83,7 @@ fn read(dir: &Path) -> Result<BTreeMap<usize, RankDump>, String> {
             pid: number("pid"),
             reason: v["reason"].as_str().unwrap_or("").to_string(),
             current,
+            last_collective,
         };
         let time = v["time"].as_f64().unwrap_or(0.0);
         if latest.get(&dump.rank).is_none_or(|(t, _)| *t < time) {
@@ -117,96 +123,39 @@ fn describe(current: Option<&Value>) -> (String, String) {
     (call, waits)
 }
 
-/// Who is at fault, in one sentence.
+/// Who is at fault, in one sentence (the same reasoning a rank applies
+/// when its call times out and it asks the others).
 fn verdict(dumps: &BTreeMap<usize, RankDump>, size: usize) -> String {
-    let waited_on = |rank: usize| -> Vec<usize> {
-        (dumps.values())
-            .filter(|d| {
-                d.current.as_ref().is_some_and(|c| {
-                    c["waiting_on"]["peer"].as_u64() == Some(rank as u64)
-                        || d.reason.contains(&format!("peer rank {rank} "))
-                })
-            })
-            .map(|d| d.rank)
-            .collect()
-    };
-    let missing: Vec<usize> = (0..size).filter(|r| !dumps.contains_key(r)).collect();
-    for &m in &missing {
-        let waiters = waited_on(m);
-        if !waiters.is_empty() {
-            return format!(
-                "rank {m} left no record while rank(s) {} wait for it: it is stopped, killed or unreachable (or in no call: its SIGUSR1 dump comes with its next call)",
-                list(&waiters)
-            );
-        }
-    }
-    // Collectives in flight, by (seq, collective): the rank behind, or the
-    // one that called something else at the same point.
-    let at: Vec<(usize, u64, String)> = (dumps.values())
-        .filter_map(|d| {
-            let c = d.current.as_ref()?;
-            (c["peer"].is_null()).then(|| {
-                (
-                    d.rank,
-                    c["seq"].as_u64().unwrap_or(0),
-                    c["call"].as_str().unwrap_or("?").to_string(),
-                )
-            })
+    let states: Vec<RankState> = (0..size)
+        .map(|rank| RankState {
+            rank,
+            position: dumps.get(&rank).map(position),
         })
         .collect();
-    if let Some(max_seq) = at.iter().map(|a| a.1).max() {
-        // First, ranks that called something else at the furthest call (a
-        // rank still finishing the call before, when the failure reached
-        // it, is no evidence against it).
-        let mut kinds: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-        for a in at.iter().filter(|a| a.1 == max_seq) {
-            kinds.entry(a.2.as_str()).or_default().push(a.0);
-        }
-        if kinds.len() > 1 {
-            let (odd, ranks) = kinds.iter().min_by_key(|(_, r)| r.len()).unwrap();
-            let (usual, others) = kinds.iter().max_by_key(|(_, r)| r.len()).unwrap();
-            return format!(
-                "rank(s) {} called {odd} where rank(s) {} called {usual}: the ranks disagree on the call",
-                list(ranks),
-                list(others)
-            );
-        }
-        let behind: Vec<&(usize, u64, String)> = at.iter().filter(|a| a.1 < max_seq).collect();
-        let ahead: Vec<usize> = at.iter().filter(|a| a.1 == max_seq).map(|a| a.0).collect();
-        if let (Some(b), Some(front)) = (behind.first(), at.iter().find(|a| a.1 == max_seq)) {
-            return format!(
-                "rank {} never entered {} (it is in {}); rank(s) {} wait for it",
-                b.0,
-                front.2,
-                b.2,
-                list(&ahead)
-            );
-        }
-    }
-    // Everyone at one call: the peer most waited on.
-    let mut counts: BTreeMap<u64, usize> = BTreeMap::new();
-    for d in dumps.values() {
-        if let Some(p) = d
-            .current
-            .as_ref()
-            .and_then(|c| c["waiting_on"]["peer"].as_u64())
-        {
-            *counts.entry(p).or_default() += 1;
-        }
-    }
-    match counts.into_iter().max_by_key(|(_, n)| *n) {
-        Some((peer, _)) => format!("rank {peer} is the one the others wait for (see its line)"),
-        None if missing.is_empty() => {
-            "no rank is waiting: nothing is stuck in these records".into()
-        }
-        None => format!("no record from rank(s) {}", list(&missing)),
-    }
+    verdict_of(&states, "left no record")
 }
 
-fn list(ranks: &[usize]) -> String {
-    ranks
-        .iter()
-        .map(|r| r.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
+/// A dump as a position: its newest collective, and what its current call
+/// waits on (from the call, else from the failure it dumped for).
+fn position(d: &RankDump) -> Position {
+    let last = d.last_collective.as_ref();
+    let text = |v: Option<&Value>, k: &str| v.and_then(|c| c[k].as_str()).map(str::to_string);
+    let waiting_on = (d.current.as_ref())
+        .and_then(|c| c["waiting_on"]["peer"].as_u64())
+        .map(|p| p as usize)
+        .or_else(|| {
+            let after = d.reason.split("peer rank ").nth(1)?;
+            after
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok()
+        });
+    Position {
+        call: text(last, "call"),
+        seq: last.and_then(|c| c["seq"].as_u64()).unwrap_or(0) as u32,
+        state: text(last, "state").unwrap_or_default(),
+        waiting_on,
+        waiting_for: None,
+    }
 }

@@ -207,7 +207,7 @@ impl Communicator {
             per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
             transport: mesh::summary(&mesh.via),
         };
-        Ok(Communicator {
+        let comm = Communicator {
             selector: Selector::new(rank, hosts.clone(), setting),
             rank,
             size,
@@ -232,7 +232,15 @@ impl Communicator {
             reduce_scatter_buf: Vec::new(),
             inflight: InFlight::new(spin),
             recorder: Recorder::new(rank, size),
-        })
+        };
+        crate::status::register(comm.session, &comm.recorder.board);
+        Ok(comm)
+    }
+
+    /// Where each rank answers status questions (`None`: it published
+    /// none), for the diagnosis of a timeout.
+    pub(crate) fn status_addresses(&self) -> Vec<Option<std::net::SocketAddr>> {
+        self.peers.iter().map(mesh::status_address).collect()
     }
 
     pub fn rank(&self) -> Rank {

@@ -24,6 +24,17 @@ pub enum Error {
         source: transport::Error,
     },
 
+    /// A call saw no progress for the timeout; the ranks were asked where
+    /// each is, and `cause` says who is at fault.
+    #[error("rank {rank}: {op} failed: {source}; root cause: {cause}")]
+    Stalled {
+        rank: Rank,
+        op: CallDesc,
+        #[source]
+        source: Box<transport::Error>,
+        cause: String,
+    },
+
     /// A peer called a different operation than this rank.
     #[error("rank {rank}: {ours} failed: peer rank {peer} is in {theirs}: the ranks disagree on the operation, its count, datatype or reduction, or on the order of calls")]
     Mismatch {
@@ -91,6 +102,7 @@ impl Error {
             Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
             Error::Mismatch { .. } => ErrorKind::Mismatch,
             Error::Aborted { .. } => ErrorKind::Aborted,
+            Error::Stalled { .. } => ErrorKind::Timeout,
             Error::Collective { source, .. } => match source {
                 T::Closed { .. } | T::PeerAborted { .. } => ErrorKind::Remote,
                 T::Timeout { .. } => ErrorKind::Timeout,
@@ -106,6 +118,7 @@ impl Error {
         match self {
             Error::Bootstrap { rank, .. }
             | Error::Collective { rank, .. }
+            | Error::Stalled { rank, .. }
             | Error::Mismatch { rank, .. }
             | Error::InvalidArgument { rank, .. }
             | Error::Aborted { rank, .. } => *rank,
@@ -116,6 +129,7 @@ impl Error {
     pub fn peer(&self) -> Option<Rank> {
         match self {
             Error::Collective { source, .. } => source.peer(),
+            Error::Stalled { source, .. } => source.peer(),
             Error::Mismatch { peer, .. } => Some(*peer),
             _ => None,
         }

@@ -341,21 +341,53 @@ impl Communicator {
         let idle = self.inflight.poller.idle(conns, extra, timeout);
         self.recorder.stats.wait_seconds += idled.elapsed().as_secs_f64();
         match idle {
+            Ok(true) if self.inflight.poller.asleep() => self.publish_wait(oldest),
             Ok(true) => {}
             Ok(false) => {
                 self.recorder.stats.timeouts += 1;
+                self.publish_wait(oldest);
                 let call = &self.inflight.calls[oldest];
                 let State::Running(run) = &call.state else {
                     unreachable!()
                 };
                 let waited = self.inflight.poller.idle_for();
-                let e = transfers::timeout_error(&run.exec, &run.sched, waited);
-                let e = Error::collective(self.rank, call.desc, e);
-                self.fail(oldest, e);
+                let source = transfers::timeout_error(&run.exec, &run.sched, waited);
+                let op = call.desc;
+                tracing::warn!(
+                    rank = self.rank,
+                    "{op} timed out; asking every rank where it is"
+                );
+                let cause = crate::status::diagnose(
+                    self.rank,
+                    self.recorder.board.position(),
+                    &self.status_addresses(),
+                    self.session,
+                );
+                let rank = self.rank;
+                self.fail(
+                    oldest,
+                    Error::Stalled {
+                        rank,
+                        op,
+                        source: Box::new(source),
+                        cause,
+                    },
+                );
             }
             Err(e) => {
                 let e = Error::collective(self.rank, self.inflight.calls[oldest].desc, e);
                 self.fail(oldest, e);
+            }
+        }
+    }
+
+    /// Puts what call `at` waits on where the other ranks can ask (only
+    /// when the rank sleeps: a long wait).
+    fn publish_wait(&self, at: usize) {
+        let call = &self.inflight.calls[at];
+        if let State::Running(run) = &call.state {
+            if let Some(w) = run.exec.waiting_on(&run.sched) {
+                self.recorder.board.waiting(call.desc.tag(), &w);
             }
         }
     }

@@ -35,6 +35,8 @@ mod descriptor;
 mod doorbell;
 mod error;
 mod executor;
+#[cfg(test)]
+mod fuzz;
 mod group;
 mod inflight;
 pub mod log;
@@ -45,6 +47,7 @@ pub mod reduce;
 mod schedule;
 mod selector;
 mod split;
+pub mod status;
 mod timeline;
 mod transfers;
 pub mod tuning;

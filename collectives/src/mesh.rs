@@ -5,7 +5,7 @@
 //! point-to-point messages never queue behind (or between) a collective's.
 
 use std::collections::BTreeMap;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -50,7 +50,35 @@ pub(crate) fn listen(
         .zip(&listeners)
         .map(|(t, l)| (t.name().to_string(), rendezvous::to_hex(&l.address())))
         .collect();
-    Ok((listeners, addresses))
+    Ok((listeners, with_status(addresses)))
+}
+
+/// Adds where this process answers "where are you" (see [`crate::status`]),
+/// on the TCP transport's address: a job without one loses only the
+/// root-cause line of timeouts.
+fn with_status(mut addresses: Addresses) -> Addresses {
+    let tcp = (addresses.get("tcp"))
+        .and_then(|hex| rendezvous::from_hex(hex))
+        .and_then(|blob| String::from_utf8(blob).ok()?.parse::<SocketAddr>().ok());
+    if let Some(tcp) = tcp {
+        match crate::status::listen(tcp.ip()) {
+            Ok(addr) => {
+                let hex = rendezvous::to_hex(addr.to_string().as_bytes());
+                addresses.insert(STATUS.into(), hex);
+            }
+            Err(e) => tracing::warn!("cannot answer status questions on {}: {e}", tcp.ip()),
+        }
+    }
+    addresses
+}
+
+/// The key of the status address among a rank's published addresses.
+pub(crate) const STATUS: &str = "status";
+
+/// Where `p` answers status questions, if it said.
+pub(crate) fn status_address(p: &rendezvous::PeerInfo) -> Option<SocketAddr> {
+    let blob = rendezvous::from_hex(p.addresses.get(STATUS)?)?;
+    String::from_utf8(blob).ok()?.parse().ok()
 }
 
 /// Independent ordered message streams between each pair of ranks.

@@ -79,6 +79,8 @@ pub(crate) struct Recorder {
     pub timeline: Option<crate::timeline::Timeline>,
     /// The wall clock when the recorder was made (traces of ranks line up).
     born_unix_us: f64,
+    /// Where this rank is, for the others to ask (see [`crate::status`]).
+    pub board: std::sync::Arc<crate::status::Board>,
 }
 
 /// A call's place in the ring, while it can still be updated: its number
@@ -113,6 +115,7 @@ impl Recorder {
             born_unix_us: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64() * 1e6),
+            board: Default::default(),
         }
     }
 
@@ -137,6 +140,7 @@ impl Recorder {
         let slot = Slot(self.recorded, at);
         self.recorded += 1;
         self.stats.by_kind[desc.collective as usize] += 1;
+        self.board.call(&desc, 1);
         slot
     }
 
@@ -153,6 +157,8 @@ impl Recorder {
             e.phase = Phase::Running;
             e.algorithm = algorithm;
             e.chunk = chunk;
+            let desc = e.desc;
+            self.board.call(&desc, 2);
         }
     }
 
@@ -162,6 +168,9 @@ impl Recorder {
             e.phase = if ok { Phase::Done } else { Phase::Failed };
             e.ended = ticks();
             span = Some((e.desc, e.started, e.ended, e.bytes));
+        }
+        if let Some((desc, ..)) = span {
+            self.board.call(&desc, if ok { 3 } else { 4 });
         }
         if let (Some(t), Some((desc, start, end, bytes))) = (&mut self.timeline, span) {
             t.call(desc.to_string(), start, end, bytes);

@@ -53,6 +53,8 @@
 //! | verbs (next) | QP number, GID, PSN | `ibv_reg_mr`, cached | RDMA WRITE with immediate into posted buffers | receive credits | completion channel fd |
 
 mod error;
+#[cfg(test)]
+mod fuzz;
 mod memory;
 mod poller;
 pub mod tcp;

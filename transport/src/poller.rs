@@ -23,6 +23,8 @@ pub struct Poller {
     spin: Duration,
     patience: Duration,
     idle_since: Option<Instant>,
+    /// The last idle round slept (the loop is past spinning and yielding).
+    asleep: bool,
 }
 
 impl Default for Poller {
@@ -46,12 +48,19 @@ impl Poller {
             spin,
             patience,
             idle_since: None,
+            asleep: false,
         }
     }
 
     /// Call after a round in which something moved.
     pub fn busy(&mut self) {
         self.idle_since = None;
+        self.asleep = false;
+    }
+
+    /// Whether the last idle round slept: the wait is a long one.
+    pub fn asleep(&self) -> bool {
+        self.asleep
     }
 
     /// Call after a round in which nothing moved. Returns `Ok(false)` once
@@ -74,6 +83,7 @@ impl Poller {
         } else if idle < self.patience {
             std::thread::yield_now();
         } else {
+            self.asleep = true;
             sleep_until_ready(conns, extra, (timeout - idle).min(Self::MAX_SLEEP))?;
         }
         Ok(true)

@@ -103,7 +103,7 @@ fn run(
 }
 
 /// `ip:port/token` as rank 0 announces it.
-fn parse_announcement(text: &str) -> Result<(SocketAddr, u128), String> {
+pub(crate) fn parse_announcement(text: &str) -> Result<(SocketAddr, u128), String> {
     let bad = || format!("rank 0 announced a rendezvous I cannot read: {text:?}");
     let (addr, token) = text.trim().split_once('/').ok_or_else(bad)?;
     Ok((

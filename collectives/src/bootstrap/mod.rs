@@ -32,10 +32,10 @@
 
 pub mod host;
 pub mod launch;
-mod meet;
+pub(crate) mod meet;
 #[cfg(feature = "mpi")]
 mod mpi;
-mod pmi;
+pub(crate) mod pmi;
 pub mod rendezvous;
 mod unique_id;
 

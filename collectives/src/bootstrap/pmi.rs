@@ -89,19 +89,24 @@ impl Pmi {
         self.reader
             .read_line(&mut reply)
             .map_err(|e| format!("PMI: no answer from the launcher: {e}"))?;
-        let fields: HashMap<String, String> = reply
-            .split_whitespace()
-            .filter_map(|kv| {
-                kv.split_once('=')
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-            })
-            .collect();
-        match fields.get("cmd") {
-            Some(c) if c == expect => Ok(fields),
-            _ => Err(format!(
-                "PMI: expected {expect}, the launcher said {:?}",
-                reply.trim()
-            )),
-        }
+        parse_reply(&reply, expect)
+    }
+}
+
+/// A PMI-1 reply line's `key=value` fields, if its `cmd` is `expect`.
+pub(crate) fn parse_reply(reply: &str, expect: &str) -> Result<HashMap<String, String>, String> {
+    let fields: HashMap<String, String> = reply
+        .split_whitespace()
+        .filter_map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        })
+        .collect();
+    match fields.get("cmd") {
+        Some(c) if c == expect => Ok(fields),
+        _ => Err(format!(
+            "PMI: expected {expect}, the launcher said {:?}",
+            reply.trim()
+        )),
     }
 }

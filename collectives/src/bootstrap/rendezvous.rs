@@ -43,14 +43,14 @@ impl PeerInfo {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Join {
+pub(crate) struct Join {
     job: String,
     size: usize,
     info: PeerInfo,
 }
 
 #[derive(Serialize, Deserialize)]
-enum Reply {
+pub(crate) enum Reply {
     Welcome {
         session: String,
         peers: Vec<PeerInfo>,
@@ -301,7 +301,9 @@ fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
     stream.write_all(&body)
 }
 
-fn receive<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> std::io::Result<T> {
+/// One length-prefixed JSON message (at most 64 MiB: a stranger's length
+/// prefix allocates nothing beyond what it sends, up to that bound).
+pub(crate) fn receive<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
@@ -311,8 +313,11 @@ fn receive<T: for<'de> Deserialize<'de>>(stream: &mut TcpStream) -> std::io::Res
             "oversized rendezvous message",
         ));
     }
-    let mut body = vec![0u8; len];
-    stream.read_exact(&mut body)?;
+    let mut body = Vec::new();
+    stream.take(len as u64).read_to_end(&mut body)?;
+    if body.len() < len {
+        return Err(ErrorKind::UnexpectedEof.into());
+    }
     serde_json::from_slice(&body).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
 }
 

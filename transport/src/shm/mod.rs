@@ -259,11 +259,15 @@ fn log_mode(peer: Rank, remote_reads: bool) {
     }
 }
 
-/// pid, probe address and (for replies) the peer's verdict, little-endian.
-fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
-    let pid = u32::from_le_bytes(b[0..4].try_into().unwrap()) as i32;
-    let probe = u64::from_le_bytes(b[4..12].try_into().unwrap());
-    (pid, probe, b.get(12) == Some(&1))
+/// pid, probe address and (for replies) the peer's verdict, little-endian;
+/// missing bytes read as zeros (pid 0 fails the probe).
+pub(crate) fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
+    let mut f = [0u8; 13];
+    let n = b.len().min(f.len());
+    f[..n].copy_from_slice(&b[..n]);
+    let pid = u32::from_le_bytes(f[0..4].try_into().unwrap()) as i32;
+    let probe = u64::from_le_bytes(f[4..12].try_into().unwrap());
+    (pid, probe, f[12] == 1)
 }
 
 /// Whether we can read the peer's memory with process_vm_readv.

@@ -104,7 +104,7 @@ pub(crate) fn connect_greeted(
     }
 }
 
-fn parse_address(blob: &[u8]) -> Result<SocketAddr> {
+pub(crate) fn parse_address(blob: &[u8]) -> Result<SocketAddr> {
     std::str::from_utf8(blob)
         .ok()
         .and_then(|s| s.parse().ok())

@@ -1,0 +1,558 @@
+//! Where is every rank, asked when a call times out: the rank that timed
+//! out asks the others, then reports the root cause ("rank 1 never entered
+//! allreduce #57 ...", "rank 2 is stopped or unreachable ...") instead of
+//! the symptom (the peer it happened to wait on, maybe itself stuck behind
+//! the culprit).
+//!
+//! Each process answers on a TCP port of its own, from a thread of its own
+//! ([`listen`]), so a rank that is computing or blocked in another call
+//! still answers; a stopped or hung process cannot, and that is the answer.
+//! The port is published at the rendezvous next to the transports'
+//! addresses; a question names the communicator by its session token (what
+//! its connections present), so only members can ask.
+//!
+//! Each communicator keeps its position on a [`Board`]: the newest
+//! collective it started and its phase (a few plain stores per call), and
+//! what its oldest running call waits on (written only when the rank sleeps).
+//! [`verdict`] turns everyone's position into one sentence; `collbench
+//! trace` uses it on flight records too.
+
+use std::collections::HashMap;
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use transport::{Rank, Tag};
+
+use crate::descriptor::{CallDesc, Collective};
+use crate::executor::Waiting;
+
+/// How long a rank waits for the others' answers.
+pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+/// Questions asked at once (a thread each).
+const AT_ONCE: usize = 64;
+const MAGIC: &[u8; 4] = b"CSTQ";
+/// A question: the magic and a session token.
+const QUESTION_LEN: usize = 20;
+
+/// A communicator's position, written by its owner, read by the responder.
+/// A sequence lock: the owner makes `version` odd while it writes.
+#[derive(Default)]
+pub(crate) struct Board {
+    version: AtomicU64,
+    /// The newest collective started: its tag and phase (0: none yet).
+    tag: [AtomicU64; 2],
+    phase: AtomicU64,
+    /// What the oldest running call waited on when its rank last slept:
+    /// that call's tag, peer + 1 (0: nothing), whether it sends, message k of n.
+    wait_tag: [AtomicU64; 2],
+    wait_peer: AtomicU64,
+    wait_message: AtomicU64,
+}
+
+const PHASES: [&str; 5] = ["none", "queued", "running", "done", "failed"];
+
+impl Board {
+    fn write(&self, f: impl FnOnce(&Self)) {
+        let v = self.version.load(Ordering::Relaxed);
+        self.version.store(v + 1, Ordering::Relaxed);
+        fence(Ordering::Release);
+        f(self);
+        self.version.store(v + 2, Ordering::Release);
+    }
+
+    /// A collective started (phase 1), began running (2), or ended (3 done,
+    /// 4 failed). The board shows the running collective (they run in
+    /// order), else the newest: a call queued behind one in flight waits.
+    pub fn call(&self, desc: &CallDesc, phase: u64) {
+        let busy = matches!(self.phase.load(Ordering::Relaxed), 1 | 2);
+        if desc.collective == Collective::PointToPoint || (phase == 1 && busy) {
+            return;
+        }
+        let tag = desc.tag();
+        self.write(|b| {
+            b.tag[0].store(tag as u64, Ordering::Relaxed);
+            b.tag[1].store((tag >> 64) as u64, Ordering::Relaxed);
+            b.phase.store(phase, Ordering::Relaxed);
+        });
+    }
+
+    /// The oldest running call (`tag`, with `peer` for point-to-point)
+    /// waits for `w`.
+    pub fn waiting(&self, tag: Tag, w: &Waiting) {
+        self.write(|b| {
+            b.wait_tag[0].store(tag as u64, Ordering::Relaxed);
+            b.wait_tag[1].store((tag >> 64) as u64, Ordering::Relaxed);
+            b.wait_peer.store(
+                (w.peer as u64 + 1) | (w.send as u64) << 63,
+                Ordering::Relaxed,
+            );
+            b.wait_message
+                .store((w.index as u64) << 32 | w.of as u64, Ordering::Relaxed);
+        });
+    }
+
+    /// A consistent copy, as the answer to a question.
+    pub fn position(&self) -> Position {
+        loop {
+            let v = self.version.load(Ordering::Acquire);
+            if v % 2 == 1 {
+                std::hint::spin_loop();
+                continue;
+            }
+            let load = |a: &[AtomicU64; 2]| {
+                a[0].load(Ordering::Relaxed) as u128 | (a[1].load(Ordering::Relaxed) as u128) << 64
+            };
+            let (tag, phase) = (load(&self.tag), self.phase.load(Ordering::Relaxed));
+            let wait_tag = load(&self.wait_tag);
+            let peer = self.wait_peer.load(Ordering::Relaxed);
+            let message = self.wait_message.load(Ordering::Relaxed);
+            fence(Ordering::Acquire);
+            if self.version.load(Ordering::Relaxed) == v {
+                return Position::from_board(tag, phase, wait_tag, peer, message);
+            }
+        }
+    }
+}
+
+/// Where a rank is: its newest collective and what it waits on.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Position {
+    /// As errors print it, `allreduce #57 (1024 x f32, sum)`; `None`: no
+    /// collective yet.
+    pub call: Option<String>,
+    pub seq: u32,
+    /// queued, running, done, failed; "left" when the rank no longer has
+    /// the communicator.
+    pub state: String,
+    /// The rank its oldest running call waits on, and for what.
+    pub waiting_on: Option<Rank>,
+    pub waiting_for: Option<String>,
+}
+
+impl Position {
+    fn from_board(tag: Tag, phase: u64, wait_tag: Tag, peer: u64, message: u64) -> Self {
+        let desc = CallDesc::from_tag(tag).filter(|_| phase != 0);
+        let waiting = (peer & !(1 << 63) != 0)
+            .then(|| CallDesc::from_tag(wait_tag))
+            .flatten();
+        let (index, of) = (message >> 32, message & 0xffff_ffff);
+        let peer_rank = (peer & !(1 << 63)).saturating_sub(1) as Rank;
+        let what = if peer >> 63 == 1 { "send" } else { "receive" };
+        // A wait recorded for an earlier call is stale once a later one ran.
+        let current = waiting.filter(|w| {
+            w.collective == Collective::PointToPoint
+                || (desc.is_some_and(|d| d.tag() == w.tag()) && phase == 2)
+        });
+        Position {
+            call: desc.map(|d| d.to_string()),
+            seq: desc.map_or(0, |d| d.seq),
+            state: PHASES[phase.min(4) as usize].to_string(),
+            waiting_on: current.map(|_| peer_rank),
+            waiting_for: current.map(|w| format!("{what} {index} of {of} in {w}")),
+        }
+    }
+
+    /// A rank that no longer has the communicator.
+    fn left() -> Self {
+        Position {
+            state: "left".into(),
+            ..Position::default()
+        }
+    }
+
+    fn is_collective_call(&self) -> bool {
+        self.call.is_some() && self.state != "left"
+    }
+
+    /// The name of its collective (`allreduce`), for comparing calls.
+    fn kind(&self) -> &str {
+        let call = self.call.as_deref().unwrap_or("");
+        call.split(" #").next().unwrap_or(call)
+    }
+}
+
+/// One rank as the verdict sees it: its position, or none (it did not
+/// answer, or left no record).
+#[derive(Clone, Debug)]
+pub struct RankState {
+    pub rank: Rank,
+    pub position: Option<Position>,
+}
+
+/// Who is at fault, in one sentence; `silent` says what a rank without a
+/// position did ("left no record", "did not answer within 2 s").
+pub fn verdict(states: &[RankState], silent: &str) -> String {
+    let waiters = |rank: Rank| -> Vec<Rank> {
+        (states.iter())
+            .filter(|s| {
+                s.position
+                    .as_ref()
+                    .is_some_and(|p| p.waiting_on == Some(rank))
+            })
+            .map(|s| s.rank)
+            .collect()
+    };
+    let missing: Vec<Rank> = (states.iter())
+        .filter(|s| s.position.is_none())
+        .map(|s| s.rank)
+        .collect();
+    for &m in &missing {
+        let w = waiters(m);
+        if !w.is_empty() {
+            return format!(
+                "rank {m} {silent} while rank(s) {} wait for it: it is stopped, hung or unreachable",
+                list(&w)
+            );
+        }
+    }
+    let at: Vec<(Rank, &Position)> = (states.iter())
+        .filter_map(|s| Some((s.rank, s.position.as_ref()?)))
+        .collect();
+    if let Some(v) = behind_or_different(&at) {
+        return v;
+    }
+    // Everyone at one call: the rank most waited on.
+    let mut counts: HashMap<Rank, usize> = HashMap::new();
+    for (_, p) in &at {
+        if let Some(peer) = p.waiting_on {
+            *counts.entry(peer).or_default() += 1;
+        }
+    }
+    match counts.into_iter().max_by_key(|(r, n)| (*n, usize::MAX - r)) {
+        Some((peer, _)) => format!(
+            "rank {peer} is the one the others wait for (rank(s) {} wait for it)",
+            list(&waiters(peer))
+        ),
+        None if missing.is_empty() => "no rank is waiting on another".into(),
+        None => format!("rank(s) {} {silent}", list(&missing)),
+    }
+}
+
+/// A rank that called something else at the furthest call, or one that
+/// never reached it.
+fn behind_or_different(at: &[(Rank, &Position)]) -> Option<String> {
+    let furthest = (at.iter())
+        .filter(|(_, p)| p.is_collective_call())
+        .map(|(_, p)| p.seq)
+        .max();
+    // Ranks that called something else at the furthest call (a rank still
+    // finishing the call before is no evidence against it).
+    if let Some(seq) = furthest {
+        let mut kinds: Vec<(&str, Vec<Rank>, &str)> = Vec::new();
+        for (r, p) in at
+            .iter()
+            .filter(|(_, p)| p.is_collective_call() && p.seq == seq)
+        {
+            match kinds.iter_mut().find(|k| k.0 == p.kind()) {
+                Some(k) => k.1.push(*r),
+                None => kinds.push((p.kind(), vec![*r], p.call.as_deref().unwrap())),
+            }
+        }
+        if kinds.len() > 1 {
+            let odd = kinds.iter().min_by_key(|k| k.1.len()).unwrap();
+            let usual = kinds.iter().max_by_key(|k| k.1.len()).unwrap();
+            return Some(format!(
+                "rank(s) {} called {} where rank(s) {} called {}: the ranks disagree on the call",
+                list(&odd.1),
+                odd.2,
+                list(&usual.1),
+                usual.2
+            ));
+        }
+    }
+    let front = at
+        .iter()
+        .find(|(_, p)| p.is_collective_call() && Some(p.seq) == furthest);
+    let (_, front) = front?;
+    let ahead: Vec<Rank> = (at.iter())
+        .filter(|(_, p)| p.is_collective_call() && p.seq == front.seq)
+        .map(|(r, _)| *r)
+        .collect();
+    let (r, p) = at
+        .iter()
+        .find(|(_, p)| !p.is_collective_call() || p.seq < front.seq)?;
+    let front_call = front.call.as_deref().unwrap();
+    let whereabouts = match (p.state.as_str(), &p.call) {
+        ("left", _) => return Some(format!(
+            "rank {r} has left the communicator (destroyed it, or is exiting) while rank(s) {} are in {front_call}",
+            list(&ahead)
+        )),
+        (_, None) => "it has made no collective call yet".to_string(),
+        ("done", Some(c)) => format!("its last call, {c}, is done: it is in no call"),
+        (state, Some(c)) => match &p.waiting_for {
+            Some(w) => format!("it is in {c}, {state}, waiting for the {w} on rank {}", p.waiting_on.unwrap()),
+            None => format!("it is in {c}, {state}"),
+        },
+    };
+    Some(format!(
+        "rank {r} never entered {front_call} ({whereabouts}); rank(s) {} wait for it",
+        list(&ahead)
+    ))
+}
+
+/// "0, 2, 3".
+pub fn list(ranks: &[Rank]) -> String {
+    let text: Vec<String> = ranks.iter().map(|r| r.to_string()).collect();
+    text.join(", ")
+}
+
+/// The process's responders (one per address it listens on) and the
+/// boards they answer for, by session token.
+struct Responders {
+    listening: Mutex<HashMap<IpAddr, SocketAddr>>,
+    boards: Mutex<HashMap<u128, Weak<Board>>>,
+}
+
+fn responders() -> &'static Responders {
+    static R: OnceLock<Responders> = OnceLock::new();
+    R.get_or_init(|| Responders {
+        listening: Mutex::new(HashMap::new()),
+        boards: Mutex::new(HashMap::new()),
+    })
+}
+
+/// The address this process answers questions on at `ip`, listening there
+/// (with a thread) the first time.
+pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
+    let mut listening = responders().listening.lock().unwrap();
+    if let Some(addr) = listening.get(&ip) {
+        return Ok(*addr);
+    }
+    let listener = TcpListener::bind((ip, 0))?;
+    let addr = listener.local_addr()?;
+    std::thread::Builder::new()
+        .name("coll-status".into())
+        .spawn(move || {
+            for stream in listener.incoming().flatten() {
+                // A stranger's stream gets one read timeout, then is dropped.
+                let _ = answer(stream);
+            }
+        })?;
+    listening.insert(ip, addr);
+    Ok(addr)
+}
+
+/// Answers for the communicator with token `session` while it lives.
+pub(crate) fn register(session: u128, board: &Arc<Board>) {
+    let mut boards = responders().boards.lock().unwrap();
+    boards.retain(|_, b| b.strong_count() > 0);
+    boards.insert(session, Arc::downgrade(board));
+}
+
+fn answer(mut stream: TcpStream) -> std::io::Result<()> {
+    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
+    stream.set_write_timeout(Some(Duration::from_secs(1)))?;
+    let mut q = [0u8; QUESTION_LEN];
+    stream.read_exact(&mut q)?;
+    let Some(session) = parse_question(&q) else {
+        return Ok(());
+    };
+    let board = responders().boards.lock().unwrap().get(&session).cloned();
+    let position = match board.and_then(|b| b.upgrade()) {
+        Some(b) => b.position(),
+        // The token is checked by the map: a wrong one reads as "left".
+        None => Position::left(),
+    };
+    let text = serde_json::to_vec(&position).map_err(std::io::Error::other)?;
+    stream.write_all(&text)
+}
+
+/// The session token of a question, if it is one.
+pub fn parse_question(q: &[u8]) -> Option<u128> {
+    let q: &[u8; QUESTION_LEN] = q.try_into().ok()?;
+    (&q[..4] == MAGIC).then(|| u128::from_le_bytes(q[4..].try_into().unwrap()))
+}
+
+/// An answer's position, if it is one (at most 4 KiB of JSON).
+pub fn parse_answer(a: &[u8]) -> Option<Position> {
+    (a.len() <= 4096)
+        .then(|| serde_json::from_slice(a).ok())
+        .flatten()
+}
+
+/// Asks the process at `addr` where its member of `session` is.
+fn ask(addr: SocketAddr, session: u128, within: Duration) -> Option<Position> {
+    let mut s = TcpStream::connect_timeout(&addr, within).ok()?;
+    s.set_read_timeout(Some(within)).ok()?;
+    s.set_write_timeout(Some(within)).ok()?;
+    let mut q = [0u8; QUESTION_LEN];
+    q[..4].copy_from_slice(MAGIC);
+    q[4..].copy_from_slice(&session.to_le_bytes());
+    s.write_all(&q).ok()?;
+    let mut a = Vec::new();
+    (&mut s).take(4097).read_to_end(&mut a).ok()?;
+    parse_answer(&a)
+}
+
+/// Asks every rank of `addresses` (`None`: published none, or ourselves)
+/// where it is, at most [`AT_ONCE`] at a time, each within [`ANSWER_WITHIN`];
+/// `me` is this rank's own position. Returns the verdict.
+pub(crate) fn diagnose(
+    me: Rank,
+    mine: Position,
+    addresses: &[Option<SocketAddr>],
+    session: u128,
+) -> String {
+    let mut states: Vec<RankState> = (0..addresses.len())
+        .map(|rank| RankState {
+            rank,
+            position: None,
+        })
+        .collect();
+    states[me].position = Some(mine);
+    let others: Vec<(Rank, SocketAddr)> = (addresses.iter().enumerate())
+        .filter(|(r, _)| *r != me)
+        .filter_map(|(r, a)| Some((r, (*a)?)))
+        .collect();
+    for batch in others.chunks(AT_ONCE) {
+        let answers: Vec<(Rank, Option<Position>)> = std::thread::scope(|s| {
+            let asked: Vec<_> = (batch.iter())
+                .map(|&(r, a)| (r, s.spawn(move || ask(a, session, ANSWER_WITHIN))))
+                .collect();
+            (asked.into_iter())
+                .map(|(r, h)| (r, h.join().ok().flatten()))
+                .collect()
+        });
+        for (r, p) in answers {
+            states[r].position = p;
+        }
+    }
+    let silent = format!("did not answer within {} s", ANSWER_WITHIN.as_secs());
+    verdict(&states, &silent)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DataType, ReduceOp};
+
+    fn desc(collective: Collective, seq: u32) -> CallDesc {
+        CallDesc {
+            collective,
+            dtype: DataType::F32,
+            op: collective.reduces().then_some(ReduceOp::Sum),
+            count: 10,
+            root: None,
+            seq,
+            comm: 0,
+        }
+    }
+
+    fn at(board: &Board) -> Option<Position> {
+        Some(board.position())
+    }
+
+    #[test]
+    fn a_board_reads_back_what_was_written_and_drops_stale_waits() {
+        let b = Board::default();
+        assert_eq!(b.position().call, None);
+        let d = desc(Collective::AllReduce, 57);
+        b.call(&d, 2);
+        let w = Waiting {
+            peer: 3,
+            send: false,
+            index: 2,
+            of: 7,
+            bytes: 40,
+        };
+        b.waiting(d.tag(), &w);
+        let p = b.position();
+        assert_eq!(p.call.as_deref(), Some("allreduce #57 (10 x f32, sum)"));
+        assert_eq!(
+            (p.seq, p.state.as_str(), p.waiting_on),
+            (57, "running", Some(3))
+        );
+        assert_eq!(
+            p.waiting_for.as_deref(),
+            Some("receive 2 of 7 in allreduce #57 (10 x f32, sum)")
+        );
+        b.call(&d, 3);
+        assert_eq!(b.position().waiting_on, None, "a done call waits on nobody");
+    }
+
+    #[test]
+    fn verdicts_name_the_rank_at_fault() {
+        let running = |seq, peer: Option<Rank>| {
+            let b = Board::default();
+            let d = desc(Collective::AllReduce, seq);
+            b.call(&d, 2);
+            if let Some(p) = peer {
+                let w = Waiting {
+                    peer: p,
+                    send: false,
+                    index: 1,
+                    of: 2,
+                    bytes: 8,
+                };
+                b.waiting(d.tag(), &w);
+            }
+            at(&b)
+        };
+        let state = |rank, position| RankState { rank, position };
+        // A silent rank that others wait on.
+        let v = verdict(
+            &[
+                state(0, running(5, Some(2))),
+                state(1, None),
+                state(2, running(5, Some(1))),
+            ],
+            "did not answer within 2 s",
+        );
+        assert_eq!(v, "rank 1 did not answer within 2 s while rank(s) 2 wait for it: it is stopped, hung or unreachable");
+        // A rank whose last call is done, behind the others.
+        let done = Board::default();
+        done.call(&desc(Collective::Barrier, 4), 3);
+        let v = verdict(
+            &[
+                state(0, running(5, Some(1))),
+                state(1, at(&done)),
+                state(2, running(5, Some(0))),
+            ],
+            "-",
+        );
+        assert_eq!(v, "rank 1 never entered allreduce #5 (10 x f32, sum) (its last call, barrier #4, is done: it is in no call); rank(s) 0, 2 wait for it");
+        // A different call at the same point.
+        let other = Board::default();
+        other.call(&desc(Collective::AllGather, 5), 2);
+        let v = verdict(
+            &[
+                state(0, running(5, None)),
+                state(1, at(&other)),
+                state(2, running(5, None)),
+            ],
+            "-",
+        );
+        assert!(v.starts_with("rank(s) 1 called allgather #5"), "{v}");
+        // Everyone in one call.
+        let v = verdict(
+            &[
+                state(0, running(5, Some(2))),
+                state(1, running(5, Some(2))),
+                state(2, running(5, None)),
+            ],
+            "-",
+        );
+        assert_eq!(
+            v,
+            "rank 2 is the one the others wait for (rank(s) 0, 1 wait for it)"
+        );
+    }
+
+    #[test]
+    fn a_question_is_answered_over_tcp_and_strangers_are_not() {
+        let addr = listen("127.0.0.1".parse().unwrap()).unwrap();
+        let board = Arc::new(Board::default());
+        board.call(&desc(Collective::Broadcast, 9), 1);
+        register(0xfeed, &board);
+        let p = ask(addr, 0xfeed, ANSWER_WITHIN).unwrap();
+        assert_eq!((p.seq, p.state.as_str()), (9, "queued"));
+        assert_eq!(ask(addr, 0xbad, ANSWER_WITHIN).unwrap().state, "left");
+        drop(board);
+        assert_eq!(ask(addr, 0xfeed, ANSWER_WITHIN).unwrap().state, "left");
+        assert_eq!(parse_question(b"GET / HTTP/1.1\r\n\r\n\r\n"), None);
+    }
+}
