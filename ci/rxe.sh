@@ -42,8 +42,9 @@ for p in $packages; do
 done
 
 # Modules the guest loads, dependencies included by modprobe --show-depends.
-# crc32_generic: rxe computes the RoCE ICRC with the "crc32" hash.
-modules="virtio_pci 9pnet_virtio 9p crc32_generic rdma_rxe ib_uverbs"
+# crc32_generic: rxe computes the RoCE ICRC with the "crc32" hash;
+# sch_netem and veth: packet loss on a routed path for ci/loss.sh.
+modules="virtio_pci 9pnet_virtio 9p crc32_generic rdma_rxe ib_uverbs sch_netem veth"
 
 # Module signatures are checked with RSA under emulation, seconds each; a
 # throw-away kernel can run them unsigned.
@@ -98,7 +99,7 @@ prepare() {
     pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
   fi
   [ -n "$pkg" ] || die "cannot find Debian's kernel package"
-  [ "$(cat "$cache/stamp" 2>/dev/null)" = "$pkg 4" ] && return 0
+  [ "$(cat "$cache/stamp" 2>/dev/null)" = "$pkg 6" ] && return 0
   echo "rxe.sh: preparing $pkg and an initramfs in $cache" >&2
   mkdir -p "$cache"
   tmp=$(mktemp -d "$cache/build.XXXXXX")
@@ -135,7 +136,7 @@ prepare() {
   else
     cp "$f" "$cache/kernel"
   fi
-  echo "$pkg 4" >"$cache/stamp"
+  echo "$pkg 6" >"$cache/stamp"
   rm -rf "$tmp"
 }
 mkdir -p "$(dirname "$cache")"

@@ -3,7 +3,8 @@
 # feature (needs cmake and libclang: rdma-core's headers are built by the
 # rdma-mummy-sys crate), then boots one VM with ci/rxe.sh and runs inside it
 # the transport contract tests, the verbs parts of the correctness matrix
-# and of the fault tests, checked collbench sweeps, and a run under mpirun.
+# and of the fault tests, checked collbench sweeps, a run under mpirun, and
+# the loss tests (ci/loss.sh: netem on a routed path, retries exhausted).
 # COLL_REQUIRE_VERBS=1 inside: a missing device fails instead of skipping.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,9 @@ if [ "${1:-}" = --in-vm ]; then
     mpirun.openmpi --allow-run-as-root --oversubscribe -n 2 \
       $bench allreduce -b 8 -e 1M -f 32 -c 1 --transport verbs
   fi
+  # Last: it reroutes the VM's traffic between two new "hosts".
+  step "loss resiliency: verbs and tcp through a lossy router (ci/loss.sh)"
+  ci/loss.sh $bench
   exit 0
 fi
 

@@ -29,7 +29,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::{device::Port, Registration};
+use super::{device::Port, Registration, Retry};
 use crate::wire::{self, Frame, HEADER_LEN};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
@@ -148,6 +148,8 @@ pub struct VerbsConnection {
     woke: bool,
     peer_gone: bool,
     failed: Option<Error>,
+    /// The RC retry settings, for their error.
+    retry: Retry,
 }
 
 // SAFETY: the queue pair, completion queue and channel are only used from
@@ -162,6 +164,7 @@ impl VerbsConnection {
         pd: &Arc<ProtectionDomain>,
         peer: Rank,
         nqps: usize,
+        retry: Retry,
     ) -> Result<Self> {
         let verb = |what: &'static str| {
             move |e: &dyn std::fmt::Display| {
@@ -251,6 +254,7 @@ impl VerbsConnection {
             woke: false,
             peer_gone: false,
             failed: None,
+            retry,
         };
         for slot in 0..RECV_SLOTS {
             conn.post_slot(slot)?;
@@ -289,10 +293,10 @@ impl VerbsConnection {
                 qp,
                 self.port.as_ref(),
                 peer_qpn,
-                my_psn,
-                peer_psn,
+                (my_psn, peer_psn),
                 &peer_gid,
                 mtu,
+                self.retry,
             )
             .map_err(|(what, e)| verb(what)(&e))?;
         }
@@ -303,10 +307,10 @@ impl VerbsConnection {
         qp: &mut BasicQueuePair,
         port: &Port,
         peer_qpn: u32,
-        my_psn: u32,
-        peer_psn: u32,
+        (my_psn, peer_psn): (u32, u32),
         peer_gid: &Gid,
         mtu: Mtu,
+        retry: Retry,
     ) -> std::result::Result<(), (&'static str, String)> {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::ReadyToReceive)
@@ -326,12 +330,11 @@ impl VerbsConnection {
         qp.modify(&attr)
             .map_err(|e| ("ibv_modify_qp to RTR", e.to_string()))?;
         let mut attr = QueuePairAttribute::new();
-        // timeout 14: 4.096 us x 2^14 = 67 ms per try; 7 tries, then the
-        // completion fails with RETRY_EXC_ERR: a dead peer shows in ~0.5 s.
+        // Then the completion fails with RETRY_EXC_ERR (see `Retry`).
         attr.setup_state(QueuePairState::ReadyToSend)
             .setup_sq_psn(my_psn)
-            .setup_timeout(14)
-            .setup_retry_cnt(7)
+            .setup_timeout(retry.timeout)
+            .setup_retry_cnt(retry.count)
             .setup_rnr_retry(7)
             .setup_max_read_atomic(1);
         qp.modify(&attr)
@@ -574,11 +577,17 @@ impl VerbsConnection {
         if self.peer_gone {
             return Error::Closed { peer: self.peer };
         }
+        let why = match status {
+            WorkCompletionStatus::RetryCounterExceededError => {
+                format!(": retries exhausted: {}", self.retry.explain(self.peer))
+            }
+            _ => String::new(),
+        };
         Error::Io {
             peer: Some(self.peer),
             what: "completion",
             kind: ErrorKind::Other,
-            message: format!("{verb} failed with status {status:?} ({})", c.status),
+            message: format!("{verb} failed with status {status:?} ({}){why}", c.status),
         }
     }
 

@@ -1,6 +1,6 @@
-//! Choosing the RDMA device, port and GID: the first device with an active
-//! port, and on it the RoCE v2 GID that holds the IPv4-mapped address of
-//! the interface the bootstrap uses, as NCCL does. `COLL_IB_HCA` (`rxe0` or
+//! Choosing the RDMA device, port and GID: the active port whose RoCE v2
+//! GID holds the IPv4-mapped address of the interface the bootstrap uses,
+//! as NCCL does, else the first active port. `COLL_IB_HCA` (`rxe0` or
 //! `rxe0:1`) and `COLL_IB_GID_INDEX` override, like NCCL_IB_HCA and
 //! NCCL_IB_GID_INDEX.
 
@@ -45,6 +45,8 @@ pub(crate) fn open(ip: IpAddr) -> Result<Port> {
         },
         Err(_) => (None, None),
     };
+    // A port whose GID holds `ip` wins; else the first usable port.
+    let mut fallback = None;
     for dev in list.iter() {
         if want_dev.as_ref().is_some_and(|w| *w != dev.name()) {
             continue;
@@ -63,30 +65,33 @@ pub(crate) fn open(ip: IpAddr) -> Result<Port> {
             if pattr.port_state() != PortState::Active {
                 continue;
             }
-            let gid_index = match std::env::var("COLL_IB_GID_INDEX") {
-                Ok(v) => v.trim().parse().map_err(|_| {
-                    Error::Invalid(format!("COLL_IB_GID_INDEX='{v}' is not a number"))
-                })?,
+            let (gid_index, exact) = match std::env::var("COLL_IB_GID_INDEX") {
+                Ok(v) => (
+                    v.trim().parse().map_err(|_| {
+                        Error::Invalid(format!("COLL_IB_GID_INDEX='{v}' is not a number"))
+                    })?,
+                    true,
+                ),
                 Err(_) => match pick_gid(&context, port, pattr.gid_tbl_len().max(0) as u32, ip) {
-                    Some(i) => i,
+                    Some(pick) => pick,
                     None => continue,
                 },
             };
-            let gid = context.query_gid(port, gid_index).map_err(|e| {
-                Error::Invalid(format!(
-                    "ibv_query_gid({}, port {port}, index {gid_index}): {e}",
-                    dev.name()
-                ))
-            })?;
-            return Ok(Port {
-                device: dev.name(),
-                context,
+            let found = (
+                dev.name(),
+                context.clone(),
                 port,
-                gid,
                 gid_index,
-                mtu: pattr.active_mtu(),
-            });
+                pattr.active_mtu(),
+            );
+            if exact {
+                return port_of(found);
+            }
+            fallback.get_or_insert(found);
         }
+    }
+    if let Some(found) = fallback {
+        return port_of(found);
     }
     Err(no_device(match want_dev {
         Some(d) => format!("{d} (COLL_IB_HCA) has no active port with a RoCE v2 GID"),
@@ -94,9 +99,28 @@ pub(crate) fn open(ip: IpAddr) -> Result<Port> {
     }))
 }
 
-/// The RoCE v2 GID holding `ip` (IPv4-mapped), else the first RoCE v2 GID
-/// with an IPv4-mapped address, else the first RoCE v2 GID.
-fn pick_gid(context: &DeviceContext, port: u8, len: u32, ip: IpAddr) -> Option<u32> {
+/// A chosen device and port, with its GID index and MTU.
+type Found = (String, Arc<DeviceContext>, u8, u32, Mtu);
+
+fn port_of((device, context, port, gid_index, mtu): Found) -> Result<Port> {
+    let gid = context.query_gid(port, gid_index).map_err(|e| {
+        Error::Invalid(format!(
+            "ibv_query_gid({device}, port {port}, index {gid_index}): {e}"
+        ))
+    })?;
+    Ok(Port {
+        device,
+        context,
+        port,
+        gid,
+        gid_index,
+        mtu,
+    })
+}
+
+/// The RoCE v2 GID holding `ip` (IPv4-mapped; `true`: found), else the
+/// first RoCE v2 GID with an IPv4-mapped address, else the first RoCE v2 GID.
+fn pick_gid(context: &DeviceContext, port: u8, len: u32, ip: IpAddr) -> Option<(u32, bool)> {
     let v2: Vec<(u32, Gid)> = (0..len)
         .filter(|i| context.query_gid_type(port, *i).ok() == Some(ROCE_V2))
         .filter_map(|i| Some((i, context.query_gid(port, i).ok()?)))
@@ -107,11 +131,12 @@ fn pick_gid(context: &DeviceContext, port: u8, len: u32, ip: IpAddr) -> Option<u
         IpAddr::V4(v4) => Some(v4),
         IpAddr::V6(v6) => v6.to_ipv4_mapped(),
     };
-    v2.iter()
-        .find(|(_, g)| want.is_some() && mapped(g) == want)
-        .or_else(|| v2.iter().find(|(_, g)| mapped(g).is_some()))
+    if let Some((i, _)) = v2.iter().find(|(_, g)| want.is_some() && mapped(g) == want) {
+        return Some((*i, true));
+    }
+    (v2.iter().find(|(_, g)| mapped(g).is_some()))
         .or_else(|| v2.first())
-        .map(|(i, _)| *i)
+        .map(|(i, _)| (*i, false))
 }
 
 /// An MTU as its number of bytes.

@@ -46,6 +46,8 @@ pub struct VerbsTransport {
     bind_ip: IpAddr,
     /// Queue pairs per peer (`COLL_IB_QPS_PER_PEER`, default 1).
     qps: usize,
+    /// `COLL_IB_TIMEOUT`, `COLL_IB_RETRY_CNT`.
+    retry: Retry,
 }
 
 impl VerbsTransport {
@@ -53,6 +55,7 @@ impl VerbsTransport {
     /// an error that says how to choose another transport where there is none.
     pub fn open(bind_ip: IpAddr) -> Result<Self> {
         let qps = qps_per_peer()?;
+        let retry = Retry::from_env()?;
         let port = device::open(bind_ip)?;
         let pd = port
             .context
@@ -60,13 +63,15 @@ impl VerbsTransport {
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
         tracing::info!(
             device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
-            mtu = device::mtu_bytes(port.mtu), qps_per_peer = qps, "verbs transport ready"
+            mtu = device::mtu_bytes(port.mtu), qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
+            "verbs transport ready"
         );
         Ok(VerbsTransport {
             port: Arc::new(port),
             pd,
             bind_ip,
             qps,
+            retry,
         })
     }
 
@@ -95,6 +100,7 @@ impl Transport for VerbsTransport {
             port: self.port.clone(),
             pd: self.pd.clone(),
             qps: self.qps,
+            retry: self.retry,
         }))
     }
 
@@ -105,7 +111,14 @@ impl Transport for VerbsTransport {
         deadline: Instant,
     ) -> Result<Box<dyn Connection>> {
         let side = tcp::connect_greeted(address, hello, TcpOptions::default(), deadline)?;
-        establish(side, hello.to, &self.port, &self.pd, self.qps, deadline)
+        establish(
+            side,
+            hello.to,
+            &self.port,
+            &self.pd,
+            (self.qps, self.retry),
+            deadline,
+        )
     }
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
@@ -132,6 +145,7 @@ pub struct VerbsListener {
     port: Arc<device::Port>,
     pd: Arc<ProtectionDomain>,
     qps: usize,
+    retry: Retry,
 }
 
 impl Listener for VerbsListener {
@@ -148,7 +162,14 @@ impl Listener for VerbsListener {
         let (peer, side) = self.side.accept_greeted(token, me, deadline)?;
         Ok((
             peer,
-            establish(side, peer, &self.port, &self.pd, self.qps, deadline)?,
+            establish(
+                side,
+                peer,
+                &self.port,
+                &self.pd,
+                (self.qps, self.retry),
+                deadline,
+            )?,
         ))
     }
 }
@@ -207,6 +228,64 @@ pub fn qps_per_peer() -> Result<usize> {
     }
 }
 
+/// How long an RC queue pair retries before its work request fails with
+/// RETRY_EXC_ERR, as NCCL_IB_TIMEOUT / NCCL_IB_RETRY_CNT: each try waits
+/// 4.096 us x 2^`timeout` for an acknowledgement; `count` retries follow
+/// the first try.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retry {
+    pub timeout: u8,
+    pub count: u8,
+}
+
+impl Retry {
+    /// 67 ms per try, 8 tries: a dead peer shows in about half a second,
+    /// while a lossy fabric's retransmissions (one try lost in a row of
+    /// eight) still get through.
+    pub const DEFAULT: Retry = Retry {
+        timeout: 14,
+        count: 7,
+    };
+
+    /// `COLL_IB_TIMEOUT` (1 to 31) and `COLL_IB_RETRY_CNT` (0 to 7).
+    pub fn from_env() -> Result<Self> {
+        let var = |name: &str, range: std::ops::RangeInclusive<u8>, default: u8| {
+            let Ok(v) = std::env::var(name) else {
+                return Ok(default);
+            };
+            (v.trim().parse::<u8>().ok())
+                .filter(|n| range.contains(n))
+                .ok_or_else(|| {
+                    Error::Invalid(format!(
+                        "{name}='{v}' is not a number from {} to {}",
+                        range.start(),
+                        range.end()
+                    ))
+                })
+        };
+        Ok(Retry {
+            timeout: var("COLL_IB_TIMEOUT", 1..=31, Self::DEFAULT.timeout)?,
+            count: var("COLL_IB_RETRY_CNT", 0..=7, Self::DEFAULT.count)?,
+        })
+    }
+
+    /// How long one try waits for an acknowledgement.
+    pub fn per_try(&self) -> Duration {
+        Duration::from_nanos(4096 << self.timeout)
+    }
+
+    /// What an exhausted retry count means, for the error.
+    pub fn explain(&self, peer: Rank) -> String {
+        format!(
+            "no acknowledgement from peer rank {peer} in {} tries of {:.1} ms (COLL_IB_RETRY_CNT={}, COLL_IB_TIMEOUT={}): the peer, its port or the path to it is down, or the fabric drops that many packets; raise COLL_IB_TIMEOUT or COLL_IB_RETRY_CNT to wait longer",
+            self.count as u32 + 1,
+            self.per_try().as_secs_f64() * 1e3,
+            self.count,
+            self.timeout
+        )
+    }
+}
+
 /// Creates the queue pair, swaps `QpInfo` over the side channel, brings
 /// both ends to RTS, and waits until the peer's end is ready too.
 fn establish(
@@ -214,7 +293,7 @@ fn establish(
     peer: Rank,
     port: &Arc<device::Port>,
     pd: &Arc<ProtectionDomain>,
-    qps: usize,
+    (qps, retry): (usize, Retry),
     deadline: Instant,
 ) -> Result<Box<dyn Connection>> {
     let io = |what: &'static str| move |e: std::io::Error| Error::io(Some(peer), what, &e);
@@ -227,7 +306,7 @@ fn establish(
     // (with timeouts).
     side.set_nonblocking(false)
         .map_err(io("exchange queue pair numbers"))?;
-    let mut conn = VerbsConnection::new(port.clone(), pd, peer, qps)?;
+    let mut conn = VerbsConnection::new(port.clone(), pd, peer, qps, retry)?;
     let mine = QpInfo {
         qpns: conn.qp_numbers(),
         psn: random_psn(),
