@@ -395,6 +395,15 @@ impl Communicator {
     /// Call `at` failed with `e`: the communicator is aborted (telling the
     /// peers why) and every other call fails with it.
     fn fail(&mut self, at: usize, e: Error) {
+        if let Error::Collective {
+            source: transport::Error::Io {
+                what: "completion", ..
+            },
+            ..
+        } = &e
+        {
+            self.recorder.stats.completion_errors += 1;
+        }
         let reason = root_cause(&e);
         // Dumped while the call still shows what it waits on.
         self.dump_logged(&e.to_string());
@@ -562,11 +571,15 @@ impl Communicator {
 
     /// `b` as the executor sees it: registered with every transport in use
     /// (or found in the registration cache).
-    fn region(&self, b: RawBuf) -> transport::Result<Region> {
+    fn region(&mut self, b: RawBuf) -> transport::Result<Region> {
         let ptr = b.ptr_or_dangling();
         let mr = match self.registrations.lookup(ptr, b.len) {
             Some(mr) => mr,
-            None => transport::register_all(self.transports.iter().map(|t| &**t), ptr, b.len)?,
+            None => {
+                let mr = transport::register_all(self.transports.iter().map(|t| &**t), ptr, b.len)?;
+                self.recorder.stats.registrations += mr.is_registered() as u64;
+                mr
+            }
         };
         Ok(Region {
             ptr,

@@ -245,6 +245,10 @@ pub struct Stats {
     /// Calls that failed (timeouts included) and timeouts alone.
     pub failures: u64,
     pub timeouts: u64,
+    /// Buffers a call had to register (pin) with a transport that needs it
+    /// (verbs), the registration cache missing; and failed verbs completions.
+    pub registrations: u64,
+    pub completion_errors: u64,
 }
 
 /// Traffic with one peer.

@@ -53,6 +53,11 @@ impl MemRegion {
     }
 
     /// A transport's own registration data (an MR for verbs), found by type.
+    /// Whether some transport registered (pinned) this memory.
+    pub fn is_registered(&self) -> bool {
+        self.keys.is_some()
+    }
+
     pub fn key<T: 'static>(&self) -> Option<&T> {
         self.keys.as_deref()?.iter().find_map(|k| k.downcast_ref())
     }
