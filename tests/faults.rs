@@ -279,10 +279,14 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
     };
     // Knock on the rendezvous before rank 1 arrives: garbage, then a
     // well-formed message of another job.
+    // Each knock waits for the rendezvous to answer or hang up, so that
+    // rank 1 arrives after both were dealt with.
     let knock = |bytes: &[u8]| {
         for _ in 0..100 {
             if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
                 let _ = s.write_all(bytes);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(15)));
+                let _ = std::io::Read::read_to_end(&mut s, &mut Vec::new());
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -388,7 +392,10 @@ fn the_flight_records_name_the_rank_at_fault() {
         );
         let skipped = traced("skip", t);
         assert!(
-            skipped.contains("verdict: rank(s) 1 called broadcast #1 (10 x f32, root 0) where rank(s) 0, 2, 3 called allreduce #1"),
+            // (A rank still finishing the barrier before counts in neither list.)
+            skipped.contains(
+                "verdict: rank(s) 1 called broadcast #1 (10 x f32, root 0) where rank(s) 0, "
+            ) && skipped.contains("called allreduce #1"),
             "{t}: {skipped}"
         );
         let different = traced("different", t);
@@ -438,4 +445,76 @@ fn sigusr1_dumps_the_flight_record_of_a_blocked_rank() {
         "{}",
         doc["stats"]
     );
+}
+
+/// 20 jobs (4 and 8 ranks, tcp and shm) in which one or two ranks SIGKILL
+/// themselves at a random moment: every survivor agrees on the same failed
+/// set (the ranks that died), shrinks, and finishes every checked step;
+/// nobody hangs. Prints the detection-to-resumed times.
+#[test]
+fn survivors_agree_shrink_and_finish_after_random_kills() {
+    for seed in 0..20u64 {
+        let n = if seed % 2 == 0 { 4 } else { 8 };
+        let transport = if seed % 4 < 2 { "tcp" } else { "shm" };
+        elastic_job(seed, n, transport);
+    }
+}
+
+// The same over RDMA verbs, inside a soft-RoCE VM (ci/rxe.sh).
+#[cfg(feature = "verbs")]
+#[test]
+fn verbs_survivors_agree_shrink_and_finish() {
+    if integration_tests::has_rdma_device() {
+        for seed in [0, 10] {
+            elastic_job(seed, 4, "verbs");
+        }
+    }
+}
+
+/// One job of `elastic`: its victims die, the survivors finish alike.
+fn elastic_job(seed: u64, n: usize, transport: &str) {
+    {
+        let steps = if n == 4 { "3000" } else { "1500" };
+        let seed_text = seed.to_string();
+        let r = job(n, &["elastic", &seed_text, steps], transport, "20");
+        let what = format!("seed {seed}, {n} ranks over {transport}");
+        let killed: Vec<usize> = (0..n)
+            .filter(|k| {
+                r.stderr
+                    .contains(&format!("rank {k} was killed by signal 9"))
+            })
+            .collect();
+        assert!(!killed.is_empty(), "{what}: nobody died\n{}", r.stderr);
+        assert!(
+            !r.stderr.contains("still running"),
+            "{what}: a hang\n{}",
+            r.stderr
+        );
+        let done: Vec<&str> = r
+            .stdout
+            .lines()
+            .filter(|l| l.starts_with("done "))
+            .collect();
+        assert_eq!(
+            done.len(),
+            n - killed.len(),
+            "{what}\n{}\n{}",
+            r.stdout,
+            r.stderr
+        );
+        let expected = format!("size {} failed {killed:?}", n - killed.len());
+        for line in &done {
+            assert!(
+                line.ends_with(&expected),
+                "{what}: {line}, expected {expected}"
+            );
+        }
+        let ms: Vec<&str> = (r.stdout.lines())
+            .filter_map(|l| l.split(" ms ").nth(1)?.split(' ').next())
+            .collect();
+        println!(
+            "{what}: killed {killed:?}, detection to resumed (ms, per survivor and shrink): {ms:?}"
+        );
+        assert_all_gone(&r);
+    }
 }

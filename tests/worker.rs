@@ -28,6 +28,10 @@
 //!   where the others call an AllReduce (for the flight-record tests);
 //! * `behind`: rank 1 computes past the timeout before an AllReduce the
 //!   others are in (for the root-cause line of their timeout);
+//! * `elastic SEED STEPS`: one or two ranks kill themselves at random
+//!   moments (or the second as the recovery from the first begins); the
+//!   others agree, shrink and finish every step (collectives and grouped
+//!   send/recv), checked;
 //! * `usr1`: rank 0, blocked in a receive rank 1 answers after 1 s, gets
 //!   SIGUSR1 and dumps its flight record meanwhile.
 //!
@@ -88,7 +92,10 @@ fn run(mode: &[String]) -> Result<(), String> {
     }
     let mut comm = Communicator::from_env().map_err(|e| e.to_string())?;
     let e = |e: collectives::Error| e.to_string();
+    let number =
+        |i: usize, default: u64| mode.get(i).and_then(|v| v.parse().ok()).unwrap_or(default);
     match name {
+        "elastic" => elastic(comm, number(1, 0), number(2, 200)),
         "matrix" => reference::run(&mut comm),
         "mismatch" => mismatch(
             &mut comm,
@@ -443,6 +450,148 @@ fn victim(comm: &mut Communicator, kill: bool) -> Result<(), collectives::Error>
     }
     for _ in 0..1000 {
         comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
+    }
+    Ok(())
+}
+
+/// A small deterministic mix (splitmix64), the same on every rank.
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// `elastic SEED STEPS`: the seed picks one or two victims, each of which
+/// SIGKILLs itself at a random moment (0.1-1.5 s in); every rank runs STEPS
+/// checked collectives (kind and size by step), and on a failure agrees on
+/// the failed ranks, shrinks, and resumes at the earliest step any survivor
+/// had not finished. Prints `shrunk ORIG failed [..] size N ms T` per shrink
+/// and `done ORIG size N failed [..]` at the end (original ranks).
+fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> {
+    let me = comm.rank();
+    let n0 = comm.size();
+    let victims: Vec<usize> = {
+        let first = (mix(seed) % n0 as u64) as usize;
+        let second = (mix(seed + 1) % n0 as u64) as usize;
+        match mix(seed + 2).is_multiple_of(2) || second == first {
+            true => vec![first],
+            false => vec![first, second],
+        }
+    };
+    // Some jobs lose their second victim during the recovery from the
+    // first: it dies as it enters the agreement.
+    let dies_in_recovery = victims.len() == 2 && seed % 5 == 4 && me == victims[1];
+    if let Some(k) = victims.iter().position(|v| *v == me && !dies_in_recovery) {
+        let delay = Duration::from_millis(100 + mix(seed + 3 + k as u64) % 1400);
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let me = rustix::process::getpid();
+            rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
+        });
+    }
+    let mut members: Vec<usize> = (0..n0).collect();
+    let mut failed_all: Vec<usize> = Vec::new();
+    let mut step = 0;
+    while step < steps {
+        let failure = match elastic_step(&mut comm, seed, step, &members) {
+            Ok(()) => {
+                step += 1;
+                continue;
+            }
+            Err(e) => e,
+        };
+        if dies_in_recovery {
+            let me = rustix::process::getpid();
+            rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
+        }
+        let t = std::time::Instant::now();
+        let (new, failed) = loop {
+            let failed = comm.failed_ranks().map_err(|e| e.to_string())?;
+            match comm.shrink(&failed, false) {
+                Ok(new) => break (new, failed),
+                // A rank died during the shrink: agree again.
+                Err(e) => collectives::log::eprint_line(&format!("rank {me}: {e}; agreeing again")),
+            }
+        };
+        failed_all.extend(failed.iter().map(|r| members[*r]));
+        failed_all.sort();
+        members = (0..members.len())
+            .filter(|r| !failed.contains(r))
+            .map(|r| members[r])
+            .collect();
+        comm = new;
+        // Resume where the slowest survivor was.
+        let mut at = [step];
+        comm.all_reduce_in_place(&mut at, ReduceOp::Min)
+            .map_err(|e| e.to_string())?;
+        step = at[0];
+        println!(
+            "shrunk {me} failed {failed_all:?} size {} ms {} after: {failure}",
+            comm.size(),
+            t.elapsed().as_millis()
+        );
+    }
+    comm.barrier().map_err(|e| e.to_string())?;
+    println!("done {me} size {} failed {failed_all:?}", comm.size());
+    Ok(())
+}
+
+/// One checked collective: its kind and size follow from the step; each
+/// member's data from its original rank, so results are known exactly.
+fn elastic_step(
+    comm: &mut Communicator,
+    seed: u64,
+    step: u64,
+    members: &[usize],
+) -> Result<(), String> {
+    let h = mix(seed ^ (step << 20));
+    let count = [1usize, 7, 1000, 65536][(h % 4) as usize];
+    let (n, r) = (comm.size(), comm.rank());
+    let value = |orig: usize, i: usize| ((orig * 31 + i + step as usize) % 1000) as f32;
+    let e = |e: collectives::Error| e.to_string();
+    let wrong = |what: &str| Err(format!("step {step}: {what} is wrong"));
+    match (h >> 8) % 4 {
+        0 => {
+            let mut x: Vec<f32> = (0..count).map(|i| value(members[r], i)).collect();
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(e)?;
+            let ok = (0..count).all(|i| x[i] == members.iter().map(|m| value(*m, i)).sum::<f32>());
+            if !ok {
+                return wrong("allreduce");
+            }
+        }
+        1 => {
+            let send: Vec<f32> = (0..count * n).map(|i| value(members[r], i)).collect();
+            let mut recv = vec![0f32; count * n];
+            comm.all_to_all(&send, &mut recv).map_err(e)?;
+            let ok = (0..n).all(|j| {
+                (0..count).all(|i| recv[j * count + i] == value(members[j], r * count + i))
+            });
+            if !ok {
+                return wrong("alltoall");
+            }
+        }
+        2 => {
+            // A group: send to the next rank, receive from the previous.
+            let out: Vec<f32> = (0..count).map(|i| value(members[r], i)).collect();
+            let mut inp = vec![0f32; count];
+            let mut g = comm.group();
+            g.send(&out, (r + 1) % n).map_err(e)?;
+            g.recv(&mut inp, (r + n - 1) % n).map_err(e)?;
+            g.end().map_err(e)?;
+            if (0..count).any(|i| inp[i] != value(members[(r + n - 1) % n], i)) {
+                return wrong("grouped send/recv");
+            }
+        }
+        _ => {
+            let mine: Vec<f32> = (0..count).map(|i| value(members[r], i)).collect();
+            let mut all = vec![0f32; count * n];
+            comm.all_gather(&mine, &mut all).map_err(e)?;
+            let ok = (0..n).all(|j| (0..count).all(|i| all[j * count + i] == value(members[j], i)));
+            if !ok {
+                return wrong("allgather");
+            }
+        }
     }
     Ok(())
 }

@@ -56,7 +56,7 @@ impl<'a> Buffers<'a> {
 pub struct Communicator {
     pub(crate) rank: Rank,
     pub(crate) size: usize,
-    peers: Vec<PeerInfo>,
+    pub(crate) peers: Vec<PeerInfo>,
     local_ranks: Vec<Rank>,
     /// The ranks of each host (see [`hosts`](Self::hosts)).
     pub(crate) hosts: Vec<Vec<Rank>>,
@@ -81,6 +81,8 @@ pub struct Communicator {
     pub(crate) session: u128,
     /// Splits made so far (each child's token derives from it).
     pub(crate) splits: u32,
+    /// Agreements on failed ranks made so far (see [`crate::agree`]).
+    pub(crate) agreements: u32,
     pub(crate) abort: Arc<AbortFlag>,
     /// Why the communicator is unusable, once it is.
     aborted: Option<String>,
@@ -226,6 +228,7 @@ impl Communicator {
             p2p_received: vec![0; size],
             session: table.session,
             splits: 0,
+            agreements: 0,
             abort,
             aborted: None,
             scratch: Vec::new(),
@@ -486,6 +489,9 @@ impl Drop for Communicator {
     /// replaced by the rank; without it, `.rank<R>.json` is appended), and
     /// the trace where `COLL_TRACE` says (the same way).
     fn drop(&mut self) {
+        if self.agreements > 0 {
+            crate::status::retire(&self.recorder.board);
+        }
         if let (Some(t), Some(path)) = (
             &self.recorder.timeline,
             crate::timeline::path_for(self.rank),

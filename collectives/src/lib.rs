@@ -24,6 +24,7 @@
 //! `transport` (bytes between two ranks).
 
 mod abort;
+mod agree;
 pub mod algo;
 mod args;
 pub mod bootstrap;
@@ -46,6 +47,7 @@ mod recorder;
 pub mod reduce;
 mod schedule;
 mod selector;
+mod shrink;
 mod split;
 pub mod status;
 mod timeline;

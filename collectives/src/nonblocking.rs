@@ -602,6 +602,22 @@ impl AsyncCommunicator {
         self.submit(move |c| c.split(color, key))
     }
 
+    /// Agrees with the other survivors on the failed ranks (see
+    /// [`Communicator::failed_ranks`]).
+    pub fn failed_ranks(&self) -> Handle<Vec<Rank>> {
+        self.submit(|c| c.failed_ranks())
+    }
+
+    /// A communicator of the survivors (see [`Communicator::shrink`]);
+    /// `abort_first` ends the calls in flight here first, as the abort
+    /// handle does.
+    pub fn shrink(&self, excluded: Vec<Rank>, abort_first: bool) -> Handle<Communicator> {
+        if abort_first {
+            self.abort("shrinking the communicator");
+        }
+        self.submit(move |c| c.shrink(&excluded, false))
+    }
+
     /// Waits for every operation started and returns the communicator.
     pub fn into_inner(mut self) -> Communicator {
         self.finish().expect("the progress thread panicked")

@@ -34,9 +34,12 @@ use crate::executor::Waiting;
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// Questions asked at once (a thread each).
 const AT_ONCE: usize = 64;
-const MAGIC: &[u8; 4] = b"CSTQ";
-/// A question: the magic and a session token.
-const QUESTION_LEN: usize = 20;
+/// What a question asks: where the rank is, or its state in an agreement
+/// ([`crate::agree`]).
+pub(crate) const POSITION: &[u8; 4] = b"CSTQ";
+pub(crate) const AGREEMENT: &[u8; 4] = b"CSTA";
+/// A question: its kind, a session token, an agreement number.
+const QUESTION_LEN: usize = 24;
 
 /// A communicator's position, written by its owner, read by the responder.
 /// A sequence lock: the owner makes `version` odd while it writes.
@@ -51,6 +54,10 @@ pub(crate) struct Board {
     wait_tag: [AtomicU64; 2],
     wait_peer: AtomicU64,
     wait_message: AtomicU64,
+    /// Agreements on failed ranks (off the hot path: a lock).
+    agreement: Mutex<crate::agree::State>,
+    /// The communicator is gone (its agreements are still answered).
+    left: std::sync::atomic::AtomicBool,
 }
 
 const PHASES: [&str; 5] = ["none", "queued", "running", "done", "failed"];
@@ -93,6 +100,11 @@ impl Board {
             b.wait_message
                 .store((w.index as u64) << 32 | w.of as u64, Ordering::Relaxed);
         });
+    }
+
+    /// Updates the agreement state.
+    pub fn agreement(&self, f: impl FnOnce(&mut crate::agree::State)) {
+        f(&mut self.agreement.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
     /// A consistent copy, as the answer to a question.
@@ -305,6 +317,7 @@ pub fn list(ranks: &[Rank]) -> String {
 struct Responders {
     listening: Mutex<HashMap<IpAddr, SocketAddr>>,
     boards: Mutex<HashMap<u128, Weak<Board>>>,
+    retired: Mutex<Vec<Arc<Board>>>,
 }
 
 fn responders() -> &'static Responders {
@@ -312,6 +325,7 @@ fn responders() -> &'static Responders {
     R.get_or_init(|| Responders {
         listening: Mutex::new(HashMap::new()),
         boards: Mutex::new(HashMap::new()),
+        retired: Mutex::new(Vec::new()),
     })
 }
 
@@ -337,6 +351,23 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
 }
 
 /// Answers for the communicator with token `session` while it lives.
+/// Boards of communicators that were dropped after an agreement, kept so
+/// that survivors still in it get their answer (the newest [`RETIRED`]).
+const RETIRED: usize = 64;
+
+/// The communicator of `board` is gone: its position reads "left", its
+/// agreements stay answerable.
+pub(crate) fn retire(board: &Arc<Board>) {
+    board.left.store(true, Ordering::Relaxed);
+    let mut boards = responders().boards.lock().unwrap();
+    let mut retired = responders().retired.lock().unwrap();
+    retired.push(board.clone());
+    if retired.len() > RETIRED {
+        let old = retired.remove(0);
+        boards.retain(|_, b| !std::ptr::eq(b.as_ptr(), Arc::as_ptr(&old)));
+    }
+}
+
 pub(crate) fn register(session: u128, board: &Arc<Board>) {
     let mut boards = responders().boards.lock().unwrap();
     boards.retain(|_, b| b.strong_count() > 0);
@@ -348,44 +379,92 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
     stream.set_write_timeout(Some(Duration::from_secs(1)))?;
     let mut q = [0u8; QUESTION_LEN];
     stream.read_exact(&mut q)?;
-    let Some(session) = parse_question(&q) else {
+    let Some((kind, session, k)) = parse_question(&q) else {
         return Ok(());
     };
     let board = responders().boards.lock().unwrap().get(&session).cloned();
-    let position = match board.and_then(|b| b.upgrade()) {
-        Some(b) => b.position(),
-        // The token is checked by the map: a wrong one reads as "left".
-        None => Position::left(),
+    // The token is checked by the map: a wrong one reads as "left".
+    let board = board.and_then(|b| b.upgrade());
+    let text = match (kind, board) {
+        (POSITION, Some(b)) if b.left.load(Ordering::Relaxed) => {
+            serde_json::to_vec(&Position::left())
+        }
+        (POSITION, Some(b)) => serde_json::to_vec(&b.position()),
+        (POSITION, None) => serde_json::to_vec(&Position::left()),
+        (_, Some(b)) => {
+            let answer = b
+                .agreement
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .answer(k);
+            serde_json::to_vec(&answer)
+        }
+        (_, None) => serde_json::to_vec(&crate::agree::Answer::Left),
     };
-    let text = serde_json::to_vec(&position).map_err(std::io::Error::other)?;
-    stream.write_all(&text)
+    stream.write_all(&text.map_err(std::io::Error::other)?)
 }
 
-/// The session token of a question, if it is one.
-pub fn parse_question(q: &[u8]) -> Option<u128> {
+/// A question of `kind` about the communicator `session` (and agreement `k`).
+pub(crate) fn question(kind: &[u8; 4], session: u128, k: u32) -> [u8; QUESTION_LEN] {
+    let mut q = [0u8; QUESTION_LEN];
+    q[..4].copy_from_slice(kind);
+    q[4..20].copy_from_slice(&session.to_le_bytes());
+    q[20..].copy_from_slice(&k.to_le_bytes());
+    q
+}
+
+/// A question's kind, session token and agreement number, if it is one.
+pub fn parse_question(q: &[u8]) -> Option<(&'static [u8; 4], u128, u32)> {
     let q: &[u8; QUESTION_LEN] = q.try_into().ok()?;
-    (&q[..4] == MAGIC).then(|| u128::from_le_bytes(q[4..].try_into().unwrap()))
+    let kind = [POSITION, AGREEMENT]
+        .into_iter()
+        .find(|k| q[..4] == k[..])?;
+    let session = u128::from_le_bytes(q[4..20].try_into().unwrap());
+    Some((
+        kind,
+        session,
+        u32::from_le_bytes(q[20..].try_into().unwrap()),
+    ))
 }
 
-/// An answer's position, if it is one (at most 4 KiB of JSON).
+/// An answer's position, if it is one.
 pub fn parse_answer(a: &[u8]) -> Option<Position> {
-    (a.len() <= 4096)
-        .then(|| serde_json::from_slice(a).ok())
-        .flatten()
+    serde_json::from_slice(a).ok()
 }
 
-/// Asks the process at `addr` where its member of `session` is.
-fn ask(addr: SocketAddr, session: u128, within: Duration) -> Option<Position> {
+/// The longest answer read (an agreement's carries every transport address).
+const ANSWER_MAX: u64 = 64 << 10;
+
+/// Asks the process at `addr` `question`; its answer, unless it gives none
+/// within `within`.
+fn ask(addr: SocketAddr, question: &[u8], within: Duration) -> Option<Vec<u8>> {
     let mut s = TcpStream::connect_timeout(&addr, within).ok()?;
     s.set_read_timeout(Some(within)).ok()?;
     s.set_write_timeout(Some(within)).ok()?;
-    let mut q = [0u8; QUESTION_LEN];
-    q[..4].copy_from_slice(MAGIC);
-    q[4..].copy_from_slice(&session.to_le_bytes());
-    s.write_all(&q).ok()?;
+    s.write_all(question).ok()?;
     let mut a = Vec::new();
-    (&mut s).take(4097).read_to_end(&mut a).ok()?;
-    parse_answer(&a)
+    (&mut s).take(ANSWER_MAX).read_to_end(&mut a).ok()?;
+    Some(a)
+}
+
+/// Asks each rank (`None`: it published no address) `question`, at most
+/// [`AT_ONCE`] at a time, each within [`ANSWER_WITHIN`].
+pub(crate) fn ask_each(
+    ranks: &[(Rank, Option<SocketAddr>)],
+    question: &[u8],
+) -> Vec<(Rank, Option<Vec<u8>>)> {
+    let mut answers = Vec::with_capacity(ranks.len());
+    for batch in ranks.chunks(AT_ONCE) {
+        std::thread::scope(|s| {
+            let asked: Vec<_> = (batch.iter())
+                .map(|&(r, a)| (r, s.spawn(move || ask(a?, question, ANSWER_WITHIN))))
+                .collect();
+            for (r, h) in asked {
+                answers.push((r, h.join().ok().flatten()));
+            }
+        });
+    }
+    answers
 }
 
 /// Asks every rank of `addresses` (`None`: published none, or ourselves)
@@ -404,22 +483,12 @@ pub(crate) fn diagnose(
         })
         .collect();
     states[me].position = Some(mine);
-    let others: Vec<(Rank, SocketAddr)> = (addresses.iter().enumerate())
+    let others: Vec<(Rank, Option<SocketAddr>)> = (addresses.iter().enumerate())
         .filter(|(r, _)| *r != me)
-        .filter_map(|(r, a)| Some((r, (*a)?)))
+        .map(|(r, a)| (r, *a))
         .collect();
-    for batch in others.chunks(AT_ONCE) {
-        let answers: Vec<(Rank, Option<Position>)> = std::thread::scope(|s| {
-            let asked: Vec<_> = (batch.iter())
-                .map(|&(r, a)| (r, s.spawn(move || ask(a, session, ANSWER_WITHIN))))
-                .collect();
-            (asked.into_iter())
-                .map(|(r, h)| (r, h.join().ok().flatten()))
-                .collect()
-        });
-        for (r, p) in answers {
-            states[r].position = p;
-        }
+    for (r, answer) in ask_each(&others, &question(POSITION, session, 0)) {
+        states[r].position = answer.and_then(|a| parse_answer(&a));
     }
     let silent = format!("did not answer within {} s", ANSWER_WITHIN.as_secs());
     verdict(&states, &silent)
@@ -548,11 +617,15 @@ mod tests {
         let board = Arc::new(Board::default());
         board.call(&desc(Collective::Broadcast, 9), 1);
         register(0xfeed, &board);
-        let p = ask(addr, 0xfeed, ANSWER_WITHIN).unwrap();
+        let where_is = |session| {
+            let a = ask(addr, &question(POSITION, session, 0), ANSWER_WITHIN).unwrap();
+            parse_answer(&a).unwrap()
+        };
+        let p = where_is(0xfeed);
         assert_eq!((p.seq, p.state.as_str()), (9, "queued"));
-        assert_eq!(ask(addr, 0xbad, ANSWER_WITHIN).unwrap().state, "left");
+        assert_eq!(where_is(0xbad).state, "left");
         drop(board);
-        assert_eq!(ask(addr, 0xfeed, ANSWER_WITHIN).unwrap().state, "left");
-        assert_eq!(parse_question(b"GET / HTTP/1.1\r\n\r\n\r\n"), None);
+        assert_eq!(where_is(0xfeed).state, "left");
+        assert_eq!(parse_question(b"GET / HTTP/1.1\r\nHost:x\r\n"), None);
     }
 }

@@ -1,0 +1,249 @@
+//! Agreeing on which ranks failed, the way ULFM's `MPIX_Comm_agree` does for
+//! MPI: every survivor ends with the same set, even when several ranks die
+//! at once or one dies during the agreement, and no coordinator is needed
+//! (one could be the rank that died).
+//!
+//! It runs over the status channel ([`crate::status`]), not the
+//! communicator's connections, which a failure has aborted: each process
+//! answers from its own thread, a dead process refuses the connection, a
+//! stopped one does not answer within 2 s. Each rank publishes
+//! a proposal (the ranks it believes failed) and asks every rank outside it
+//! for theirs, in rounds:
+//!
+//! * no answer (or the communicator is gone): that rank failed;
+//! * a proposal: add it to ours (proposals only grow);
+//! * "not yet": that rank is alive and has not joined; wait for it;
+//! * a decision: adopt it.
+//!
+//! A rank decides its proposal P once every rank outside P answered with
+//! exactly P, and keeps answering "decided P". Two ranks cannot decide
+//! different sets: deciding P needs the other to have proposed P, and a
+//! proposal that grew past P, or was decided, never goes back. A rank that
+//! dies after others decided is simply a member of the result that will
+//! fail its next call (then agree again), as with ULFM.
+//!
+//! Each agreement on a communicator has a number (every survivor makes the
+//! same sequence of agreement calls, as with collectives) and may carry a
+//! payload, the addresses a shrink's new listeners publish.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use transport::Rank;
+
+use crate::mesh::Addresses;
+use crate::status::{self, Board};
+
+/// One communicator's agreements, as its board keeps them.
+#[derive(Default)]
+pub(crate) struct State {
+    /// Agreements started (the current one's number).
+    current: u32,
+    proposal: Vec<Rank>,
+    /// By agreement number - 1: the decided set and the payload.
+    decided: Vec<Vec<Rank>>,
+    payloads: Vec<Option<Addresses>>,
+}
+
+/// What a rank says of agreement number k.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Answer {
+    /// Alive, and not yet in it.
+    NotYet,
+    Proposing {
+        failed: Vec<Rank>,
+        payload: Option<Addresses>,
+    },
+    Decided {
+        failed: Vec<Rank>,
+        payload: Option<Addresses>,
+    },
+    /// The rank no longer has the communicator.
+    Left,
+}
+
+impl State {
+    pub fn answer(&self, k: u32) -> Answer {
+        let at = k as usize;
+        if at >= 1 && at <= self.decided.len() {
+            return Answer::Decided {
+                failed: self.decided[at - 1].clone(),
+                payload: self.payloads[at - 1].clone(),
+            };
+        }
+        match k == self.current && k > 0 {
+            true => Answer::Proposing {
+                failed: self.proposal.clone(),
+                payload: self.payloads.get(at - 1).cloned().flatten(),
+            },
+            false => Answer::NotYet,
+        }
+    }
+}
+
+/// What an agreement gives: the failed ranks, and each rank's payload.
+pub(crate) struct Outcome {
+    pub failed: Vec<Rank>,
+    pub payloads: Vec<Option<Addresses>>,
+}
+
+/// Who takes part: this rank, every rank's status port (`None`: it
+/// published none), the communicator's session token and this rank's board.
+pub(crate) struct Members<'a> {
+    pub me: Rank,
+    pub addresses: &'a [Option<SocketAddr>],
+    pub session: u128,
+    pub board: &'a Board,
+}
+
+/// Agreement number `k` among `members`, starting from the ranks this rank
+/// knows failed. `Err` says why it could not end (a rank that never joined
+/// by `deadline`, or the others deciding that this rank failed).
+pub(crate) fn agree(
+    members: &Members<'_>,
+    k: u32,
+    known: BTreeSet<Rank>,
+    payload: Option<Addresses>,
+    deadline: Instant,
+) -> Result<Outcome, String> {
+    let Members {
+        me,
+        addresses,
+        session,
+        board,
+    } = *members;
+    let n = addresses.len();
+    let mut failed: BTreeSet<Rank> = known.into_iter().filter(|r| *r != me && *r < n).collect();
+    let mut payloads = vec![None; n];
+    payloads[me] = payload.clone();
+    board.agreement(|s| {
+        s.current = k;
+        s.proposal = failed.iter().copied().collect();
+        s.payloads.resize(k as usize, None);
+        s.payloads[k as usize - 1] = payload;
+    });
+    let decided = loop {
+        let asked: Vec<(Rank, Option<SocketAddr>)> = (0..n)
+            .filter(|r| *r != me && !failed.contains(r))
+            .map(|r| (r, addresses[r]))
+            .collect();
+        let before = failed.clone();
+        let (mut settled, mut adopted) = (true, None);
+        for (r, answer) in ask_all(&asked, session, k) {
+            match answer {
+                None | Some(Answer::Left) => {
+                    failed.insert(r);
+                }
+                Some(Answer::NotYet) => settled = false,
+                Some(Answer::Proposing {
+                    failed: theirs,
+                    payload,
+                }) => {
+                    payloads[r] = payload;
+                    settled &= theirs.iter().copied().eq(before.iter().copied());
+                    failed.extend(theirs.into_iter().filter(|r| *r < n));
+                }
+                Some(Answer::Decided {
+                    failed: theirs,
+                    payload,
+                }) => {
+                    payloads[r] = payload;
+                    adopted = Some(theirs);
+                }
+            }
+        }
+        if let Some(d) = adopted {
+            break d.into_iter().collect::<BTreeSet<Rank>>();
+        }
+        if failed.contains(&me) {
+            return Err(format!(
+                "the other ranks count this rank among the failed ({}): it answered too late",
+                status::list(&failed.iter().copied().collect::<Vec<_>>())
+            ));
+        }
+        board.agreement(|s| s.proposal = failed.iter().copied().collect());
+        if settled && failed == before {
+            break failed;
+        }
+        if Instant::now() > deadline {
+            let waiting: Vec<Rank> = (0..n).filter(|r| *r != me && !failed.contains(r)).collect();
+            return Err(format!(
+                "no agreement within the timeout: rank(s) {} have not joined it (every survivor must make the same agreement calls)",
+                status::list(&waiting)
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    };
+    if decided.contains(&me) {
+        return Err("the other ranks decided that this rank failed: it answered too late".into());
+    }
+    let failed: Vec<Rank> = decided.iter().copied().collect();
+    board.agreement(|s| {
+        s.decided.resize(k as usize, Vec::new());
+        s.decided[k as usize - 1] = failed.clone();
+    });
+    // An adopted decision may name survivors this rank had suspected:
+    // their payloads come from asking them now.
+    let missing: Vec<(Rank, Option<SocketAddr>)> = (0..n)
+        .filter(|r| *r != me && !decided.contains(r) && payloads[*r].is_none())
+        .map(|r| (r, addresses[r]))
+        .collect();
+    if payloads[me].is_some() {
+        for (r, answer) in ask_all(&missing, session, k) {
+            if let Some(Answer::Proposing { payload, .. } | Answer::Decided { payload, .. }) =
+                answer
+            {
+                payloads[r] = payload;
+            }
+        }
+    }
+    Ok(Outcome { failed, payloads })
+}
+
+/// Every rank's answer about agreement `k` (`None`: no answer in time).
+fn ask_all(
+    ranks: &[(Rank, Option<SocketAddr>)],
+    session: u128,
+    k: u32,
+) -> Vec<(Rank, Option<Answer>)> {
+    let question = status::question(status::AGREEMENT, session, k);
+    status::ask_each(ranks, &question)
+        .into_iter()
+        .map(|(r, bytes)| (r, bytes.and_then(|b| serde_json::from_slice(&b).ok())))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_follow_the_agreement_number() {
+        let mut s = State::default();
+        assert_eq!(s.answer(1), Answer::NotYet);
+        s.current = 1;
+        s.proposal = vec![2];
+        s.payloads = vec![None];
+        assert_eq!(
+            s.answer(1),
+            Answer::Proposing {
+                failed: vec![2],
+                payload: None
+            }
+        );
+        s.decided = vec![vec![2, 3]];
+        s.current = 2;
+        s.proposal = vec![];
+        s.payloads.push(None);
+        assert_eq!(
+            s.answer(1),
+            Answer::Decided {
+                failed: vec![2, 3],
+                payload: None
+            }
+        );
+        assert_eq!(s.answer(3), Answer::NotYet);
+    }
+}
