@@ -24,6 +24,14 @@
 #define COLL_SPLIT_NOCOLOR -1
 
 /**
+ * collCommShrink's flags: shrink as is, or abort what is in flight on the
+ * communicator first (as NCCL_SHRINK_DEFAULT / NCCL_SHRINK_ABORT).
+ */
+#define COLL_SHRINK_DEFAULT 0
+
+#define COLL_SHRINK_ABORT 1
+
+/**
  * The value of `collConfig_t::magic` (COLL_CONFIG_INITIALIZER sets it).
  */
 #define COLL_CONFIG_MAGIC 3222388977
@@ -325,6 +333,44 @@ collResult_t collCommInitFromEnv(collComm_t *comm);
  * `comm` must be a live communicator; `newcomm` NULL or valid for a write.
  */
 collResult_t collCommSplit(collComm_t comm, int color, int key, collComm_t *newcomm);
+
+/**
+ * The ranks of `comm` that failed, the same set on every survivor (as
+ * ULFM's agreement): every survivor calls it. A rank counts as failed when
+ * its process is gone, its communicator was destroyed, or it does not
+ * answer within 2 s; every wait is bounded by the timeout. Works on a
+ * communicator that failed or was aborted. `*count` is the number of
+ * failed ranks; up to `capacity` of them are written to `ranks` (a
+ * `capacity` too small is collInvalidArgument, with `*count` set).
+ *
+ * # Safety
+ * `comm` must be a live communicator; `ranks` valid for `capacity` writes
+ * (or NULL with `capacity` 0); `count` valid for a write.
+ */
+collResult_t collCommGetFailedRanks(collComm_t comm, int *ranks, int capacity, int *count);
+
+/**
+ * A communicator of the ranks of `comm` not in `excludeRanks` (and not
+ * failed meanwhile), renumbered in order, as ncclCommShrink: every
+ * survivor calls it, excluded ranks do not. COLL_SHRINK_ABORT first ends
+ * what is in flight on `comm` (required when `comm` may be stuck on a
+ * failed rank); COLL_SHRINK_DEFAULT leaves it. No launcher or rendezvous
+ * is involved; `comm` may have failed or been aborted, and stays to be
+ * destroyed. `config` (or NULL: as `comm`) says whether the new
+ * communicator is blocking; it keeps `comm`'s timeout. If a rank dies
+ * during the shrink, it fails: get the failed ranks and shrink again.
+ *
+ * # Safety
+ * `comm` must be a live communicator; `excludeRanks` valid for
+ * `excludeCount` reads (or NULL with 0); `newcomm` valid for a write;
+ * `config` NULL or initialized from COLL_CONFIG_INITIALIZER.
+ */
+collResult_t collCommShrink(collComm_t comm,
+                            const int *excludeRanks,
+                            int excludeCount,
+                            collComm_t *newcomm,
+                            const collConfig_t *config,
+                            int flags);
 
 /**
  * The number of ranks of `comm`.

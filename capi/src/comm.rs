@@ -169,6 +169,99 @@ pub unsafe extern "C" fn collCommSplit(
     }
 }
 
+/// The ranks of `comm` that failed, the same set on every survivor (as
+/// ULFM's agreement): every survivor calls it. A rank counts as failed when
+/// its process is gone, its communicator was destroyed, or it does not
+/// answer within 2 s; every wait is bounded by the timeout. Works on a
+/// communicator that failed or was aborted. `*count` is the number of
+/// failed ranks; up to `capacity` of them are written to `ranks` (a
+/// `capacity` too small is collInvalidArgument, with `*count` set).
+///
+/// # Safety
+/// `comm` must be a live communicator; `ranks` valid for `capacity` writes
+/// (or NULL with `capacity` 0); `count` valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collCommGetFailedRanks(
+    comm: collComm_t,
+    ranks: *mut c_int,
+    capacity: c_int,
+    count: *mut c_int,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    unsafe {
+        with_comm(comm, |_, inner| {
+            if count.is_null() || (ranks.is_null() && capacity > 0) || capacity < 0 {
+                return Err(Failure::invalid(
+                    "count is NULL, or ranks is NULL with a capacity",
+                ));
+            }
+            let failed = inner.failed_ranks().wait()?;
+            put(count, "count", failed.len() as c_int)?;
+            for (i, r) in failed.iter().take(capacity as usize).enumerate() {
+                ranks.add(i).write(*r as c_int);
+            }
+            match failed.len() <= capacity as usize {
+                true => Ok(()),
+                false => Err(Failure::invalid(format!(
+                    "{} ranks failed, ranks has room for {capacity}",
+                    failed.len()
+                ))),
+            }
+        })
+    }
+}
+
+/// A communicator of the ranks of `comm` not in `excludeRanks` (and not
+/// failed meanwhile), renumbered in order, as ncclCommShrink: every
+/// survivor calls it, excluded ranks do not. COLL_SHRINK_ABORT first ends
+/// what is in flight on `comm` (required when `comm` may be stuck on a
+/// failed rank); COLL_SHRINK_DEFAULT leaves it. No launcher or rendezvous
+/// is involved; `comm` may have failed or been aborted, and stays to be
+/// destroyed. `config` (or NULL: as `comm`) says whether the new
+/// communicator is blocking; it keeps `comm`'s timeout. If a rank dies
+/// during the shrink, it fails: get the failed ranks and shrink again.
+///
+/// # Safety
+/// `comm` must be a live communicator; `excludeRanks` valid for
+/// `excludeCount` reads (or NULL with 0); `newcomm` valid for a write;
+/// `config` NULL or initialized from COLL_CONFIG_INITIALIZER.
+#[no_mangle]
+pub unsafe extern "C" fn collCommShrink(
+    comm: collComm_t,
+    excludeRanks: *const c_int,
+    excludeCount: c_int,
+    newcomm: *mut collComm_t,
+    config: *const collConfig_t,
+    flags: c_int,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    unsafe {
+        with_comm(comm, |c, inner| {
+            if newcomm.is_null() || excludeCount < 0 || (excludeRanks.is_null() && excludeCount > 0)
+            {
+                return Err(Failure::invalid(
+                    "newcomm is NULL, or excludeRanks does not hold excludeCount ranks",
+                ));
+            }
+            let abort_first = match flags {
+                crate::COLL_SHRINK_DEFAULT => false,
+                crate::COLL_SHRINK_ABORT => true,
+                other => return Err(Failure::invalid(format!("unknown shrink flags {other}"))),
+            };
+            let blocking = match config.is_null() {
+                true => c.blocking,
+                false => settings(config)?.0,
+            };
+            let excluded: Vec<usize> = (0..excludeCount as usize)
+                .map(|i| usize::try_from(*excludeRanks.add(i)))
+                .collect::<Result<_, _>>()
+                .map_err(|_| Failure::invalid("a negative rank in excludeRanks"))?;
+            let child = inner.shrink(excluded, abort_first).wait()?;
+            put(newcomm, "newcomm", wrap(child, blocking))
+        })
+    }
+}
+
 /// The number of ranks of `comm`.
 ///
 /// # Safety

@@ -91,6 +91,11 @@ pub struct collUniqueId {
 /// `collCommSplit`'s color for ranks that join no new communicator.
 pub const COLL_SPLIT_NOCOLOR: c_int = -1;
 
+/// collCommShrink's flags: shrink as is, or abort what is in flight on the
+/// communicator first (as NCCL_SHRINK_DEFAULT / NCCL_SHRINK_ABORT).
+pub const COLL_SHRINK_DEFAULT: c_int = 0;
+pub const COLL_SHRINK_ABORT: c_int = 1;
+
 /// The value of `collConfig_t::magic` (COLL_CONFIG_INITIALIZER sets it).
 pub const COLL_CONFIG_MAGIC: u32 = 0xc011_c0f1;
 /// The version of `collConfig_t` this library knows.

@@ -504,6 +504,39 @@ static void test_nonblocking(void) {
   CHECK(NULL, collCommDestroy(nb));
 }
 
+/* ---- a rank leaves: agree on who failed, shrink, go on ---- */
+
+static void test_shrink(collComm_t comm) {
+  /* On a child (all ranks, one color), so the main comm stays whole. The
+   * last rank destroys its child: to the others it has failed. */
+  collComm_t child, small;
+  CHECK(comm, collCommSplit(comm, 0, rank, &child));
+  if (rank == nranks - 1) {
+    CHECK(NULL, collCommDestroy(child));
+    return;
+  }
+  float x = 1.0f;
+  collResult_t r = collAllReduce(&x, &x, 1, collFloat32, collSum, child);
+  EXPECT(r == collRemoteError, "allreduce with a rank gone: %s", collGetErrorString(r));
+  int failed[8], count = -1;
+  CHECK(child, collCommGetFailedRanks(child, failed, 8, &count));
+  EXPECT(count == 1 && failed[0] == nranks - 1, "failed ranks: %d (first %d)", count, failed[0]);
+  int none = 0;
+  EXPECT(collCommGetFailedRanks(child, failed, 0, &none) == collInvalidArgument && none == 1,
+         "a capacity too small: count %d", none);
+  CHECK(child, collCommShrink(child, failed, count, &small, NULL, COLL_SHRINK_ABORT));
+  int size = 0, me = -1;
+  CHECK(small, collCommCount(small, &size));
+  CHECK(small, collCommUserRank(small, &me));
+  EXPECT(size == nranks - 1 && me == rank, "shrunk: rank %d of %d", me, size);
+  float y = (float)(rank + 1);
+  CHECK(small, collAllReduce(&y, &y, 1, collFloat32, collSum, small));
+  float want = (float)((nranks - 1) * nranks / 2);
+  EXPECT(y == want, "allreduce after the shrink: %g, expected %g", y, want);
+  CHECK(NULL, collCommDestroy(small));
+  CHECK(NULL, collCommDestroy(child));
+}
+
 /* ---- abort from another thread ---- */
 
 static void *abort_later(void *comm) {
@@ -552,6 +585,7 @@ int main(int argc, char **argv) {
   test_groups(comm);
   test_nonblocking();
   test_bad_arguments(comm);
+  test_shrink(comm);
   test_abort(comm);
   int total;
   MPI_Allreduce(&failures, &total, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
