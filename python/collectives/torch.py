@@ -15,6 +15,17 @@ and publishes it there. ``dist.new_group(ranks)`` therefore builds a fresh
 communicator among the members only; torch calls a backend on member ranks
 alone, and a split needs every rank of the parent.
 
+When ranks die, the survivors keep going with torch's own API (see
+``python/examples/elastic_train.py``)::
+
+    failed = dist.group.WORLD._get_backend(torch.device("cpu")).failed_ranks()
+    dist.shrink_group(failed)   # the new default group: the survivors
+
+``failed_ranks()`` is the same list on every survivor; ``shrink`` (what
+``dist.shrink_group`` calls) returns a ``BackendCollectives``, which torch
+wraps in a process group of its own. The store must outlive any rank (a
+launcher's, as torchrun's agent store, not one served by rank 0).
+
 Every method turns tensors into zero-copy numpy views, starts one native
 call (the GIL released while it runs) and returns a Work whose future
 completes when the call does, so collectives overlap the caller's compute.
@@ -31,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    Backend,
     AllreduceCoalescedOptions,
     AllreduceOptions,
     AllToAllOptions,
@@ -45,7 +57,7 @@ from torch.distributed import ReduceOp
 
 import collectives
 
-__all__ = ["ProcessGroupCollectives", "launcher_env"]
+__all__ = ["BackendCollectives", "ProcessGroupCollectives", "launcher_env"]
 
 
 def launcher_env() -> dict[str, str]:
@@ -166,37 +178,39 @@ class _Work(dist.Work):
         return self._future
 
 
-class ProcessGroupCollectives(dist.ProcessGroup):
-    """A torch ProcessGroup on a collectives communicator (see the module docs)."""
-
-    def __init__(self, store, rank: int, size: int, timeout: timedelta):
-        super().__init__(rank, size)
-        key = "collectives/unique_id"
-        if rank == 0:
-            store.set(key, collectives.unique_id())
-        uid = store.get(key)
-        seconds = None if "COLL_TIMEOUT" in os.environ else timeout.total_seconds()
-        self._comm = collectives.Communicator.init(rank, size, uid, timeout=seconds)
+class _Collectives:
+    """The operations, on ``self._comm``: shared by the process group torch
+    makes at ``init_process_group`` and the backend a shrink returns."""
 
     def getBackendName(self) -> str:
         return "collectives"
 
     def __repr__(self) -> str:
-        return f"ProcessGroupCollectives(rank={self.rank()}, size={self.size()})"
+        return f"{type(self).__name__}(rank={self.rank()}, size={self.size()})"
 
     @property
     def communicator(self) -> collectives.Communicator:
         return self._comm
 
-    # torch probes capabilities on `_get_backend(device)`, which a
-    # ProcessGroup subclass has none of (batch_isend_irecv raises without
-    # it): the group answers for itself.
     supports_coalescing = False
     supports_splitting = False
     _supports_time_estimate = False
 
-    def _get_backend(self, device=None):
-        return self
+    # ---- surviving failed ranks (dist.shrink_group) ----
+
+    supports_shrinking = True
+
+    def shrink(self, ranks_to_exclude, shrink_flags: int = 0, pg_options=None) -> "BackendCollectives":
+        """What ``dist.shrink_group`` asks of a backend: one of the ranks
+        not excluded (every one of them calls it), on a communicator of its
+        own; ``SHRINK_ABORT`` (1) first ends what is in flight here."""
+        abort = bool(shrink_flags & 1)
+        return BackendCollectives(self._comm.shrink(list(ranks_to_exclude), abort=abort))
+
+    def failed_ranks(self) -> list[int]:
+        """The ranks of this group that failed, the same list on every
+        survivor (each must call it): what to pass to ``dist.shrink_group``."""
+        return self._comm.failed_ranks()
 
     # ---- collectives ----
 
@@ -357,6 +371,34 @@ class ProcessGroupCollectives(dist.ProcessGroup):
         raise NotImplementedError(
             "the collectives backend has no monitored_barrier: a plain barrier already names the rank it waits for on timeout"
         )
+
+
+class ProcessGroupCollectives(_Collectives, dist.ProcessGroup):
+    """A torch ProcessGroup on a collectives communicator (see the module docs)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        key = "collectives/unique_id"
+        if rank == 0:
+            store.set(key, collectives.unique_id())
+        uid = store.get(key)
+        seconds = None if "COLL_TIMEOUT" in os.environ else timeout.total_seconds()
+        self._comm = collectives.Communicator.init(rank, size, uid, timeout=seconds)
+
+    # torch probes capabilities on `_get_backend(device)`, which a
+    # ProcessGroup subclass has none of (batch_isend_irecv raises without
+    # it): the group answers for itself.
+    def _get_backend(self, device=None):
+        return self
+
+
+class BackendCollectives(_Collectives, Backend):
+    """The backend of a group made by ``dist.shrink_group``: torch wraps it
+    in a ProcessGroup of its own, which calls these same operations."""
+
+    def __init__(self, comm: collectives.Communicator):
+        super().__init__(comm.rank, comm.size)
+        self._comm = comm
 
 
 def _split_counts(t: torch.Tensor, splits, n: int) -> list[int]:

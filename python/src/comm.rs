@@ -36,6 +36,15 @@ impl Communicator {
         }
     }
 
+    /// `f` on the communicator, unless it was closed.
+    fn with<T>(&self, f: impl FnOnce(&AsyncCommunicator) -> T) -> PyResult<T> {
+        let guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let comm = guard
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the communicator was closed"))?;
+        Ok(f(comm))
+    }
+
     /// Runs `args` on the arrays (`output` `None`: nothing is written;
     /// `input` `None`: in place on `output`): on this thread with the GIL
     /// released, or, with `async_op`, in the background, keeping the
@@ -358,6 +367,26 @@ impl Communicator {
         };
         let child = py.detach(|| pending.wait()).map_err(to_py)?;
         Ok(child.map(Self::wrap))
+    }
+
+    /// The ranks that failed, the same list on every survivor (each must
+    /// call it): their process is gone, their communicator was closed, or
+    /// they did not answer within 2 s. Works after a failure or an abort.
+    fn failed_ranks(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        let pending = self.with(|c| c.failed_ranks())?;
+        py.detach(|| pending.wait()).map_err(to_py)
+    }
+
+    /// A communicator of the ranks not in `excluded` (nor failed
+    /// meanwhile), renumbered in order; every survivor calls it, excluded
+    /// ranks do not. `abort=True` first ends the calls in flight here (needed
+    /// when one may be stuck on a failed rank). If a rank dies during the
+    /// shrink it raises: call `failed_ranks()` and shrink again.
+    #[pyo3(signature = (excluded, abort=false))]
+    fn shrink(&self, py: Python<'_>, excluded: Vec<usize>, abort: bool) -> PyResult<Communicator> {
+        let pending = self.with(|c| c.shrink(excluded, abort))?;
+        let child = py.detach(|| pending.wait()).map_err(to_py)?;
+        Ok(Self::wrap(child))
     }
 
     /// Aborts the communicator: calls in flight and later ones fail, and

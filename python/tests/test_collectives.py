@@ -162,3 +162,22 @@ def test_pipeline_parallel_matches_one_process():
     _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
     r = launch("torchrun", 4, EXAMPLES / "pipeline.py", "--steps", "6")
     assert "pipeline ok" in r.stdout and r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("victims", [1, 2])
+def test_elastic_training_survives_killed_ranks(victims):
+    """elastic_train.py at 4 ranks: `victims` ranks SIGKILL themselves at
+    random steps; the survivors agree, dist.shrink_group, re-shard and
+    finish with equal weights and a falling loss."""
+    _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLL_TIMEOUT": "60"}
+    cmd = [sys.executable, str(EXAMPLES / "elastic_train.py"), "--launch", "4", "--seed", str(victims),
+           "--victims", str(victims), "--epochs", "3", "--steps", "20"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    what = f"{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, what
+    assert len(re.findall(r"^ok \d+$", r.stdout, re.M)) == 4 - victims, what
+    assert "DIFFER" not in r.stdout, what
+    assert len(re.findall(r"of the group failed; shrunk to", r.stdout)) >= 4 - victims, what
+    curve = [float(v) for v in re.search(r"^loss per epoch: (.*)$", r.stdout, re.M)[1].split(", ")]
+    assert curve[-1] < curve[0], what
