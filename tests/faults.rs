@@ -474,7 +474,12 @@ fn verbs_survivors_agree_shrink_and_finish() {
 /// One job of `elastic`: its victims die, the survivors finish alike.
 fn elastic_job(seed: u64, n: usize, transport: &str) {
     {
-        let steps = if n == 4 { "3000" } else { "1500" };
+        // (Soft-RoCE in a VM is slow: fewer steps still outlast the kills.)
+        let steps = match (transport, n) {
+            ("verbs", _) => "1000",
+            (_, 4) => "3000",
+            _ => "1500",
+        };
         let seed_text = seed.to_string();
         let r = job(n, &["elastic", &seed_text, steps], transport, "20");
         let what = format!("seed {seed}, {n} ranks over {transport}");
@@ -509,11 +514,24 @@ fn elastic_job(seed: u64, n: usize, transport: &str) {
                 "{what}: {line}, expected {expected}"
             );
         }
-        let ms: Vec<&str> = (r.stdout.lines())
-            .filter_map(|l| l.split(" ms ").nth(1)?.split(' ').next())
+        // From the last death before each shrink to that survivor resuming.
+        let deaths: Vec<u128> = (r.stdout.lines())
+            .filter_map(|l| l.strip_prefix("dying ")?.parse().ok())
+            .collect();
+        let ms: Vec<u128> = (r.stdout.lines())
+            .filter_map(|l| l.split(" at ").nth(1)?.split(' ').next()?.parse().ok())
+            .map(|at: u128| {
+                let death = deaths
+                    .iter()
+                    .filter(|d| **d <= at)
+                    .max()
+                    .copied()
+                    .unwrap_or(at);
+                (at - death) / 1000
+            })
             .collect();
         println!(
-            "{what}: killed {killed:?}, detection to resumed (ms, per survivor and shrink): {ms:?}"
+            "{what}: killed {killed:?}, kill to resumed (ms, per survivor and shrink): {ms:?}"
         );
         assert_all_gone(&r);
     }

@@ -486,8 +486,7 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
         let delay = Duration::from_millis(100 + mix(seed + 3 + k as u64) % 1400);
         std::thread::spawn(move || {
             std::thread::sleep(delay);
-            let me = rustix::process::getpid();
-            rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
+            die();
         });
     }
     let mut members: Vec<usize> = (0..n0).collect();
@@ -502,8 +501,7 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
             Err(e) => e,
         };
         if dies_in_recovery {
-            let me = rustix::process::getpid();
-            rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
+            die();
         }
         let t = std::time::Instant::now();
         let (new, failed) = loop {
@@ -527,14 +525,30 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
             .map_err(|e| e.to_string())?;
         step = at[0];
         println!(
-            "shrunk {me} failed {failed_all:?} size {} ms {} after: {failure}",
+            "shrunk {me} failed {failed_all:?} size {} ms {} at {} after: {failure}",
             comm.size(),
-            t.elapsed().as_millis()
+            t.elapsed().as_millis(),
+            unix_us()
         );
     }
     comm.barrier().map_err(|e| e.to_string())?;
     println!("done {me} size {} failed {failed_all:?}", comm.size());
     Ok(())
+}
+
+/// Microseconds since the Unix epoch (the ranks share a clock).
+fn unix_us() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
+}
+
+/// SIGKILLs this process, saying when first (`dying AT`).
+fn die() {
+    println!("dying {}", unix_us());
+    let me = rustix::process::getpid();
+    rustix::process::kill_process(me, rustix::process::Signal::KILL).unwrap();
 }
 
 /// One checked collective: its kind and size follow from the step; each
