@@ -12,7 +12,8 @@
 //!
 //! * no answer (or the communicator is gone): that rank failed;
 //! * a proposal: add it to ours (proposals only grow);
-//! * "not yet": that rank is alive and has not joined; wait for it;
+//! * "not yet": that rank is alive and has not joined (or not even made
+//!   the communicator yet); wait for it;
 //! * a decision: adopt it.
 //!
 //! A rank decides its proposal P once every rank outside P answered with
@@ -132,6 +133,13 @@ pub(crate) fn agree(
         let before = failed.clone();
         let (mut settled, mut adopted) = (true, None);
         for (r, answer) in ask_all(&asked, session, k) {
+            tracing::debug!(
+                rank = me,
+                agreement = k,
+                peer = r,
+                ?answer,
+                "agreement answer"
+            );
             match answer {
                 None | Some(Answer::Left) => {
                     failed.insert(r);

@@ -168,6 +168,14 @@ impl Position {
         }
     }
 
+    /// A rank whose process has not made the communicator (yet).
+    fn not_yet() -> Self {
+        Position {
+            state: "not created".into(),
+            ..Position::default()
+        }
+    }
+
     /// A rank that no longer has the communicator.
     fn left() -> Self {
         Position {
@@ -351,6 +359,9 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
 }
 
 /// Answers for the communicator with token `session` while it lives.
+/// Communicators a process keeps answering for, dropped ones included.
+const KNOWN: usize = 4096;
+
 /// Boards of communicators that were dropped after an agreement, kept so
 /// that survivors still in it get their answer (the newest [`RETIRED`]).
 const RETIRED: usize = 64;
@@ -370,7 +381,11 @@ pub(crate) fn retire(board: &Arc<Board>) {
 
 pub(crate) fn register(session: u128, board: &Arc<Board>) {
     let mut boards = responders().boards.lock().unwrap();
-    boards.retain(|_, b| b.strong_count() > 0);
+    // Dropped communicators stay known (a few bytes each) so that their
+    // members read as gone, not as not there yet; forgotten past a bound.
+    if boards.len() >= KNOWN {
+        boards.retain(|_, b| b.strong_count() > 0);
+    }
     boards.insert(session, Arc::downgrade(board));
 }
 
@@ -382,16 +397,18 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
     let Some((kind, session, k)) = parse_question(&q) else {
         return Ok(());
     };
-    let board = responders().boards.lock().unwrap().get(&session).cloned();
-    // The token is checked by the map: a wrong one reads as "left".
-    let board = board.and_then(|b| b.upgrade());
+    // The token is checked by the map: a stranger's reads as unknown.
+    let known = responders().boards.lock().unwrap().get(&session).cloned();
+    let board = known.as_ref().map(|b| b.upgrade());
     let text = match (kind, board) {
-        (POSITION, Some(b)) if b.left.load(Ordering::Relaxed) => {
-            serde_json::to_vec(&Position::left())
+        // Unknown: this process has not made the communicator (yet).
+        (POSITION, None) => serde_json::to_vec(&Position::not_yet()),
+        (_, None) => serde_json::to_vec(&crate::agree::Answer::NotYet),
+        (POSITION, Some(Some(b))) if !b.left.load(Ordering::Relaxed) => {
+            serde_json::to_vec(&b.position())
         }
-        (POSITION, Some(b)) => serde_json::to_vec(&b.position()),
-        (POSITION, None) => serde_json::to_vec(&Position::left()),
-        (_, Some(b)) => {
+        (POSITION, Some(_)) => serde_json::to_vec(&Position::left()),
+        (_, Some(Some(b))) => {
             let answer = b
                 .agreement
                 .lock()
@@ -399,7 +416,7 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
                 .answer(k);
             serde_json::to_vec(&answer)
         }
-        (_, None) => serde_json::to_vec(&crate::agree::Answer::Left),
+        (_, Some(None)) => serde_json::to_vec(&crate::agree::Answer::Left),
     };
     stream.write_all(&text.map_err(std::io::Error::other)?)
 }
@@ -623,7 +640,7 @@ mod tests {
         };
         let p = where_is(0xfeed);
         assert_eq!((p.seq, p.state.as_str()), (9, "queued"));
-        assert_eq!(where_is(0xbad).state, "left");
+        assert_eq!(where_is(0xbad).state, "not created");
         drop(board);
         assert_eq!(where_is(0xfeed).state, "left");
         assert_eq!(parse_question(b"GET / HTTP/1.1\r\nHost:x\r\n"), None);
