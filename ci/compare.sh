@@ -4,7 +4,8 @@
 # collbench's own sizes, iteration rules, busbw definitions and checks) and,
 # when torch is importable, torch.distributed's Gloo backend
 # (ci/gloo_bench.py). Runs are interleaved (ours, MPI, Gloo, repeat) so
-# machine noise hits all alike; the table shows medians and ratios.
+# machine noise hits all alike; the table shows medians and ratios, and
+# target/compare/<collective>.svg charts them (collbench plot).
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall"]
@@ -74,4 +75,12 @@ for rep in $(seq "$reps"); do
   done
 done
 echo
-"$python" ci/compare_table.py "$results"
+status=0
+"$python" ci/compare_table.py "$results" || status=$?
+# One chart per collective: every library at every rank count.
+for coll in $collectives; do
+  target/release/collbench plot "$results"/series-"$coll"-*.json -o "$out/$coll.svg" >&2 ||
+    echo "compare.sh: no chart for $coll" >&2
+done
+echo "compare.sh: charts in $out/*.svg; raw results in $results" >&2
+exit $status

@@ -81,7 +81,30 @@ def main(d):
                 row += f" {g:>9.2f} {ratio(g):>6}" if g is not None else f" {'-':>9} {'-':>6}"
             print(row)
     print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B); medians of the repetitions; wrong values in all runs: {wrong}")
+    write_series(res, keys, d)
     return 1 if wrong else 0
+
+
+NAMES = {"ours": "collectives", "mpi": "Open MPI", "gloo": "Gloo"}
+
+
+def write_series(res, keys, d):
+    """One collbench-shaped JSON per collective, rank count and library
+    (medians, out of place; Gloo's only mode for allreduce is in place),
+    for `collbench plot`: series-<coll>-<n>-<impl>.json in `d`."""
+    for coll, n in sorted({(c, n) for c, n, _ in keys}):
+        for impl, name in NAMES.items():
+            rows = []
+            for c, k, size in keys:
+                mode = "in_place" if (impl == "gloo" and coll == "allreduce") else "out_of_place"
+                key = (c, k, size, impl, mode)
+                if (c, k) == (coll, n) and key in res:
+                    t, bw = statistics.median(v[0] for v in res[key]), statistics.median(v[1] for v in res[key])
+                    rows.append({"bytes": size, "out_of_place": {"time_us": t, "busbw_gbs": bw}})
+            if rows:
+                doc = {"collective": coll, "nranks": n, "label": f"{name}, {n} ranks", "rows": rows}
+                with open(os.path.join(d, f"series-{coll}-{n}-{impl}.json"), "w") as f:
+                    json.dump(doc, f)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,17 @@ pub enum Command {
         /// The directory holding coll-trace-rank*.json
         dir: PathBuf,
     },
+    /// Chart bus bandwidth and time per call against size, one series per
+    /// result file (collbench --json): collbench plot a.json b.json -o chart.svg
+    /// (SVG, or PNG by the extension)
+    Plot {
+        /// Result files (collbench --json, or the same shape with a "label")
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// The chart to write (.svg or .png)
+        #[arg(short = 'o', long = "out", default_value = "chart.svg")]
+        out: PathBuf,
+    },
     /// Measure every algorithm of allreduce, broadcast and reduce in this
     /// setting (ranks, ranks per host, transport) and write the selector's
     /// profile: collbench tune -n 8 [--out FILE]

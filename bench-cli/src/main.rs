@@ -5,6 +5,7 @@
 mod bench;
 mod cli;
 mod data;
+mod plot;
 mod preflight;
 mod report;
 mod skew;
@@ -49,6 +50,15 @@ fn main() -> ExitCode {
         Command::Reduce(a) => (Collective::Reduce, a),
         Command::Trace { dir } => {
             return match trace::run(&dir) {
+                Ok(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => exit(Err(e)),
+            };
+        }
+        Command::Plot { files, out } => {
+            return match plot::run(&files, &out) {
                 Ok(text) => {
                     print!("{text}");
                     ExitCode::SUCCESS

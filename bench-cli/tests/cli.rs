@@ -299,3 +299,51 @@ fn coll_trace_writes_a_chrome_trace_of_every_rank() {
         .iter()
         .all(|e| e["dur"].as_f64().unwrap() >= 0.0 && e["ts"].as_f64().unwrap() > 1e15));
 }
+
+/// `collbench plot` draws one series per result file, labelled, as SVG and
+/// as PNG; a file that is not a result is refused with its name.
+#[test]
+fn plot_draws_every_result_file() {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("plot");
+    std::fs::create_dir_all(&dir).unwrap();
+    let ours = dir.join("ours.json");
+    let r = collbench(&[
+        "allreduce",
+        "-n",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "64K",
+        "-f",
+        "64",
+        "--json",
+        ours.to_str().unwrap(),
+    ]);
+    assert!(r.ok, "{}", r.stderr);
+    // Another library's results in the same shape, with a label of its own.
+    let theirs = dir.join("theirs.json");
+    let doc = r#"{"collective":"allreduce","label":"Open MPI, 2 ranks","rows":[
+        {"bytes":8,"out_of_place":{"time_us":2.0,"busbw_gbs":0.004}},
+        {"bytes":65536,"out_of_place":{"time_us":30.0,"busbw_gbs":2.2}}]}"#;
+    std::fs::write(&theirs, doc).unwrap();
+    let files = [ours.to_str().unwrap(), theirs.to_str().unwrap()];
+    let svg = dir.join("chart.svg");
+    let r = collbench(&["plot", files[0], files[1], "-o", svg.to_str().unwrap()]);
+    assert!(r.ok, "{}", r.stderr);
+    let text = std::fs::read_to_string(&svg).unwrap();
+    for label in [
+        "collectives, shm, 2 ranks",
+        "Open MPI, 2 ranks",
+        "allreduce: bus bandwidth",
+        "64 KiB",
+    ] {
+        assert!(text.contains(label), "{label} missing from the chart");
+    }
+    let png = dir.join("chart.png");
+    let r = collbench(&["plot", files[0], files[1], "-o", png.to_str().unwrap()]);
+    assert!(r.ok, "{}", r.stderr);
+    assert_eq!(&std::fs::read(&png).unwrap()[..4], b"\x89PNG");
+    let r = collbench(&["plot", svg.to_str().unwrap()]);
+    assert!(!r.ok && r.stderr.contains("chart.svg"), "{}", r.stderr);
+}
