@@ -514,7 +514,8 @@ fn elastic_job(seed: u64, n: usize, transport: &str) {
                 "{what}: {line}, expected {expected}"
             );
         }
-        // From the last death before each shrink to that survivor resuming.
+        // From the last death before each shrink to that survivor holding
+        // the new communicator (agreed, connected, past its barrier).
         let deaths: Vec<u128> = (r.stdout.lines())
             .filter_map(|l| l.strip_prefix("dying ")?.parse().ok())
             .collect();
@@ -530,9 +531,7 @@ fn elastic_job(seed: u64, n: usize, transport: &str) {
                 (at - death) / 1000
             })
             .collect();
-        println!(
-            "{what}: killed {killed:?}, kill to resumed (ms, per survivor and shrink): {ms:?}"
-        );
+        println!("{what}: killed {killed:?}, kill to shrunk (ms, per survivor and shrink): {ms:?}");
         assert_all_gone(&r);
     }
 }

@@ -57,6 +57,7 @@ fn main() -> ExitCode {
             args: std::env::args_os().skip(1).collect(),
             env: Vec::new(),
             timeout: collectives::Config::from_env().unwrap().timeout,
+            bind: launch::Bind::from_env().unwrap(),
         };
         let outcome = launch::run(&job).unwrap();
         for f in &outcome.failures {
@@ -491,15 +492,24 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
     }
     let mut members: Vec<usize> = (0..n0).collect();
     let mut failed_all: Vec<usize> = Vec::new();
-    let mut step = 0;
-    while step < steps {
-        let failure = match elastic_step(&mut comm, seed, step, &members) {
-            Ok(()) => {
-                step += 1;
-                continue;
-            }
-            Err(e) => e,
+    // Each failure (in a step, in the resync after a shrink, in the final
+    // barrier) leads to an agreement and a shrink, then a resync.
+    let (mut step, mut resync, mut done) = (0, false, false);
+    while !done {
+        let attempt = if resync {
+            // Resume where the slowest survivor was.
+            let mut at = [step];
+            let r = comm.all_reduce_in_place(&mut at, ReduceOp::Min);
+            r.map(|()| (step, resync) = (at[0], false))
+                .map_err(|e| e.to_string())
+        } else if step < steps {
+            elastic_step(&mut comm, seed, step, &members).map(|()| step += 1)
+        } else {
+            comm.barrier()
+                .map(|()| done = true)
+                .map_err(|e| e.to_string())
         };
+        let Err(failure) = attempt else { continue };
         if dies_in_recovery {
             die();
         }
@@ -519,11 +529,7 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
             .map(|r| members[r])
             .collect();
         comm = new;
-        // Resume where the slowest survivor was.
-        let mut at = [step];
-        comm.all_reduce_in_place(&mut at, ReduceOp::Min)
-            .map_err(|e| e.to_string())?;
-        step = at[0];
+        resync = true;
         println!(
             "shrunk {me} failed {failed_all:?} size {} ms {} at {} after: {failure}",
             comm.size(),
@@ -531,7 +537,6 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
             unix_us()
         );
     }
-    comm.barrier().map_err(|e| e.to_string())?;
     println!("done {me} size {} failed {failed_all:?}", comm.size());
     Ok(())
 }

@@ -173,6 +173,13 @@ pub struct BenchArgs {
     /// Allow -n above 32 ranks per core (mpirun's flag of the same name)
     #[arg(long)]
     pub oversubscribe: bool,
+
+    /// With -n: bind rank i to the i-th core this process may use ("core",
+    /// when there are enough), or leave ranks to the scheduler ("none": as
+    /// fast on an idle machine, far faster when other work shares a core)
+    /// [default: COLL_BIND, else none]
+    #[arg(long, value_parser = ["core", "none"])]
+    pub bind: Option<String>,
 }
 
 #[derive(Args, Debug, Clone)]

@@ -119,6 +119,10 @@ fn launch_local(collective: Collective, n: usize, args: &BenchArgs) -> Result<u8
         args: std::env::args_os().skip(1).collect(),
         env: Vec::new(),
         timeout: timeout(args)?,
+        bind: match &args.bind {
+            Some(b) => launch::Bind::parse(b)?,
+            None => launch::Bind::from_env()?,
+        },
     };
     let outcome = launch::run(&job)?;
     for f in &outcome.failures {

@@ -57,6 +57,7 @@ fn main() {
             args: std::env::args_os().skip(1).collect(),
             env: Vec::new(),
             timeout: Duration::from_secs(120),
+            bind: launch::Bind::from_env().unwrap(),
         };
         let outcome = launch::run(&job).expect("launching the ranks");
         for f in &outcome.failures {

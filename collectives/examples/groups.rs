@@ -31,6 +31,7 @@ fn main() {
             args: std::env::args_os().skip(1).collect(),
             env: Vec::new(),
             timeout: Duration::from_secs(300),
+            bind: launch::Bind::from_env().unwrap(),
         };
         let outcome = launch::run(&job).expect("launching the ranks");
         std::process::exit(if outcome.success() { 0 } else { 1 });
