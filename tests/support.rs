@@ -346,5 +346,10 @@ pub fn mpirun(launcher: &str, n: usize, program: &str, args: &[&str], env: &[(&s
     all.extend_from_slice(args);
     let mut env = env.to_vec();
     env.extend_from_slice(&OMPI_ENV);
+    // Unique ids and the rendezvous default to the first non-loopback
+    // interface (right across hosts); tests on one host stay on loopback.
+    if !env.iter().any(|(k, _)| *k == "COLL_SOCKET_IFNAME") {
+        env.push(("COLL_SOCKET_IFNAME", "lo"));
+    }
     run(Path::new(launcher), &all, &env, Duration::from_secs(600))
 }

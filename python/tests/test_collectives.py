@@ -50,6 +50,9 @@ def launch(launcher: str, n: int, program: Path, *args: str, env=None, timeout: 
     would kill the survivors when a rank dies); returns the outcome."""
     env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     env.setdefault("COLL_TIMEOUT", "60")
+    # Unique ids default to the first non-loopback interface (right across
+    # hosts); these ranks share one host: loopback.
+    env.setdefault("COLL_SOCKET_IFNAME", "lo")
     if launcher == "direct":
         port = str(_free_port())
         procs = [
@@ -170,7 +173,7 @@ def test_elastic_training_survives_killed_ranks(victims):
     random steps; the survivors agree, dist.shrink_group, re-shard and
     finish with equal weights and a falling loss."""
     _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLL_TIMEOUT": "60"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLL_TIMEOUT": "60", "COLL_SOCKET_IFNAME": "lo"}
     cmd = [sys.executable, str(EXAMPLES / "elastic_train.py"), "--launch", "4", "--seed", str(victims),
            "--victims", str(victims), "--epochs", "3", "--steps", "20"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
