@@ -75,8 +75,12 @@ impl Board {
     /// 4 failed). The board shows the running collective (they run in
     /// order), else the newest: a call queued behind one in flight waits.
     pub fn call(&self, desc: &CallDesc, phase: u64) {
-        let busy = matches!(self.phase.load(Ordering::Relaxed), 1 | 2);
-        if desc.collective == Collective::PointToPoint || (phase == 1 && busy) {
+        // Point-to-point calls (every message of a pipeline) touch nothing;
+        // only a start reads the board (the owner is its only writer).
+        if desc.collective == Collective::PointToPoint {
+            return;
+        }
+        if phase == 1 && matches!(self.phase.load(Ordering::Relaxed), 1 | 2) {
             return;
         }
         let tag = desc.tag();
