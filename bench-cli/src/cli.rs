@@ -84,6 +84,12 @@ pub enum Command {
         #[arg(short = 'o', long = "out", default_value = "chart.svg")]
         out: PathBuf,
     },
+    /// Predict a collective's time on a cluster this machine is not: every
+    /// rank's real schedule run by the real executor on a model of the
+    /// cluster (NICs, shared memory, per-message costs): collbench simulate
+    /// allreduce --ranks 4096 --size 8,1M,256M
+    #[command(after_help = SIMULATE_EXAMPLES)]
+    Simulate(SimArgs),
     /// Measure every algorithm of allreduce, broadcast and reduce in this
     /// setting (ranks, ranks per host, transport) and write the selector's
     /// profile: collbench tune -n 8 [--out FILE]
@@ -180,6 +186,161 @@ pub struct BenchArgs {
     /// [default: COLL_BIND, else none]
     #[arg(long, value_parser = ["core", "none"])]
     pub bind: Option<String>,
+}
+
+const SIMULATE_EXAMPLES: &str = "\
+Examples:
+  collbench simulate allreduce --ranks 4096 --size 8,1M,256M
+  collbench simulate alltoall --ranks 64 --ranks-per-host 8 -b 1K -e 64M --algo pairwise
+  collbench simulate allreduce --ranks 512 --size 1G --link 100G --oversubscription 2 --json out.json
+
+Each algorithm's schedules are those a communicator builds, run by the same
+executor (chunks, depth, staging slots), so what is predicted is what runs.
+The model (collectives/src/simulate/model.rs): a message waits for its
+receive to be posted (over the network plus one latency, the clear-to-send),
+then for its host's NIC to be free, takes size / bandwidth on the wire and
+lands a latency later; a host's ranks share its NIC; shared memory is a port
+per rank; posting a message costs --overhead of the rank's CPU, reducing
+size / --reduce-bw. The selector's pick is marked '*', the fastest '<'.";
+
+#[derive(Args, Debug, Clone)]
+pub struct SimArgs {
+    /// allreduce, alltoall, reducescatter, allgather, broadcast, reduce or barrier
+    pub collective: String,
+
+    /// Ranks in the job
+    #[arg(long)]
+    pub ranks: usize,
+
+    /// Ranks per host (the last host may have fewer)
+    #[arg(long, default_value_t = 8)]
+    pub ranks_per_host: usize,
+
+    /// Sizes, comma-separated, per rank as collbench counts them [default: 8,1M,256M]
+    #[arg(long, value_delimiter = ',', value_parser = size)]
+    pub size: Option<Vec<u64>>,
+
+    /// Smallest size of a sweep (with -e, instead of --size)
+    #[arg(short = 'b', long = "minbytes", value_parser = size)]
+    pub minbytes: Option<u64>,
+
+    /// Largest size of a sweep
+    #[arg(short = 'e', long = "maxbytes", value_parser = size)]
+    pub maxbytes: Option<u64>,
+
+    /// Multiply the size by this between steps of the sweep
+    #[arg(short = 'f', long = "stepfactor", default_value_t = 4.0)]
+    pub stepfactor: f64,
+
+    /// Simulate only this algorithm [default: every one of the collective]
+    #[arg(long)]
+    pub algo: Option<String>,
+
+    /// Each host's NIC, bits per second (K, M, G, T: decimal)
+    #[arg(long, default_value = "400G", value_parser = bits)]
+    pub link: f64,
+
+    /// Latency between hosts (s, ms, us, ns)
+    #[arg(long, default_value = "2us", value_parser = duration)]
+    pub link_latency: f64,
+
+    /// Between ranks of one host, bits per second
+    #[arg(long, default_value = "200G", value_parser = bits)]
+    pub intra: f64,
+
+    /// Latency between ranks of one host
+    #[arg(long, default_value = "0.5us", value_parser = duration)]
+    pub intra_latency: f64,
+
+    /// CPU time to post one message
+    #[arg(long, default_value = "0.5us", value_parser = duration)]
+    pub overhead: f64,
+
+    /// Bytes per second one core reduces (K, M, G: decimal)
+    #[arg(long, default_value = "20G", value_parser = bits)]
+    pub reduce_bw: f64,
+
+    /// The network core carries this much less than the NICs' sum (1: full bisection)
+    #[arg(long, default_value_t = 1.0)]
+    pub oversubscription: f64,
+
+    /// Pipeline chunk size in bytes [default: the communicator's, 1M]
+    #[arg(long, value_parser = size)]
+    pub chunk: Option<u64>,
+
+    /// Chunks in flight per peer and direction [default: the communicator's, 4]
+    #[arg(long)]
+    pub depth: Option<usize>,
+
+    /// Element type
+    #[arg(short = 'd', long, default_value = "float")]
+    pub dtype: DataType,
+
+    /// Also write the predictions as JSON to this file ('-': stdout, the table then goes to stderr)
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// `400G` (decimal multiples, an optional `b`, `bps` or `B/s` ignored) as a number.
+fn bits(s: &str) -> Result<f64, String> {
+    let t = s
+        .trim()
+        .trim_end_matches("ps")
+        .trim_end_matches("/s")
+        .trim_end_matches(['b', 'B']);
+    let (num, scale) = match t.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&t[..i], 1e3),
+        Some((i, 'M')) => (&t[..i], 1e6),
+        Some((i, 'G')) => (&t[..i], 1e9),
+        Some((i, 'T')) => (&t[..i], 1e12),
+        _ => (t, 1.0),
+    };
+    match num.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v * scale),
+        _ => Err(format!("'{s}' is not a positive rate like 400G")),
+    }
+}
+
+/// `2us`, `500ns`, `1.5ms`, `0` as seconds.
+fn duration(s: &str) -> Result<f64, String> {
+    let t = s.trim();
+    let (num, scale) = [("ns", 1e-9), ("us", 1e-6), ("ms", 1e-3), ("s", 1.0)]
+        .iter()
+        .find_map(|(unit, scale)| t.strip_suffix(unit).map(|n| (n, *scale)))
+        .unwrap_or((t, 1.0));
+    match num.trim().parse::<f64>() {
+        Ok(v) if v >= 0.0 && v.is_finite() => Ok(v * scale),
+        _ => Err(format!("'{s}' is not a time like 2us")),
+    }
+}
+
+impl SimArgs {
+    /// The sizes to simulate, in bytes.
+    pub fn sizes(&self) -> Result<Vec<u64>, String> {
+        match (&self.size, self.minbytes, self.maxbytes) {
+            (Some(list), None, None) => Ok(list.clone()),
+            (None, None, None) => Ok(vec![8, 1 << 20, 256 << 20]),
+            (None, lo, hi) => {
+                let (lo, hi) = (lo.or(hi).unwrap(), hi.or(lo).unwrap());
+                if lo > hi || (lo != hi && self.stepfactor <= 1.0) {
+                    return Err(format!(
+                        "no sweep from {lo} to {hi} by x{}",
+                        self.stepfactor
+                    ));
+                }
+                let mut sizes = vec![lo];
+                while let Some(&last) = sizes.last() {
+                    let next = (last.max(1) as f64 * self.stepfactor).round() as u64;
+                    if next > hi {
+                        break;
+                    }
+                    sizes.push(next.max(last + 1));
+                }
+                Ok(sizes)
+            }
+            _ => Err("give either --size or -b/-e".into()),
+        }
+    }
 }
 
 #[derive(Args, Debug, Clone)]

@@ -8,6 +8,7 @@ mod data;
 mod plot;
 mod preflight;
 mod report;
+mod simulate;
 mod skew;
 mod trace;
 mod tune;
@@ -63,6 +64,12 @@ fn main() -> ExitCode {
                     print!("{text}");
                     ExitCode::SUCCESS
                 }
+                Err(e) => exit(Err(e)),
+            };
+        }
+        Command::Simulate(a) => {
+            return match simulate::run(&a) {
+                Ok(()) => ExitCode::SUCCESS,
                 Err(e) => exit(Err(e)),
             };
         }

@@ -48,6 +48,7 @@ pub mod reduce;
 mod schedule;
 mod selector;
 mod shrink;
+pub mod simulate;
 mod split;
 pub mod status;
 mod timeline;

@@ -1,0 +1,217 @@
+//! `collbench simulate`: predicted time, algbw and busbw per size and
+//! algorithm, in collbench's table layout, from the library's simulator.
+
+use std::fs::File;
+use std::io::Write;
+
+use collectives::algo::{self, Algorithm};
+use collectives::simulate::{self, Cluster, Link, Pipeline, Prediction};
+use collectives::Collective;
+use serde::Serialize;
+
+use crate::cli::SimArgs;
+
+#[derive(Serialize)]
+struct Row {
+    size: usize,
+    count: usize,
+    algorithm: &'static str,
+    time_us: f64,
+    algbw_gbs: f64,
+    busbw_gbs: f64,
+    /// The built-in selector's pick.
+    selected: bool,
+    fastest: bool,
+    messages: u64,
+    events: u64,
+    wall_s: f64,
+}
+
+#[derive(Serialize)]
+struct Report {
+    collective: &'static str,
+    cluster: String,
+    ranks: usize,
+    ranks_per_host: usize,
+    chunk: usize,
+    depth: usize,
+    dtype: &'static str,
+    results: Vec<Row>,
+}
+
+pub fn run(a: &SimArgs) -> Result<(), String> {
+    let collective = parse_collective(&a.collective)?;
+    let cluster = cluster(a);
+    cluster.validate()?;
+    let defaults = Pipeline::default();
+    let pipeline = Pipeline {
+        chunk: a.chunk.map_or(defaults.chunk, |c| c as usize),
+        depth: a.depth.unwrap_or(defaults.depth),
+    };
+    let algos = algorithms(collective, a.algo.as_deref(), &cluster)?;
+    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
+    let mut out: Box<dyn Write> = match to_stdout {
+        true => Box::new(std::io::stderr()),
+        false => Box::new(std::io::stdout()),
+    };
+    let io = |e: std::io::Error| e.to_string();
+    writeln!(out, "# collbench simulate: {collective} on {cluster}").map_err(io)?;
+    writeln!(
+        out,
+        "# chunk {} B, depth {}, {}; '*' the selector's pick, '<' the fastest",
+        pipeline.chunk,
+        pipeline.depth,
+        a.dtype.name()
+    )
+    .map_err(io)?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:<14} {:>12} {:>8} {:>8} {:>11} {:>10} {:>8}",
+        "size", "count", "algorithm", "time", "algbw", "busbw", "messages", "events", "wall"
+    )
+    .map_err(io)?;
+    writeln!(
+        out,
+        "# {:>10}  {:>12}  {:<14} {:>12} {:>8} {:>8} {:>11} {:>10} {:>8}",
+        "(B)", "(elements)", "", "(us)", "(GB/s)", "(GB/s)", "", "", "(s)"
+    )
+    .map_err(io)?;
+    let mut rows = Vec::new();
+    for size in a.sizes()? {
+        let size = size as usize;
+        let predictions = (algos.iter())
+            .map(|algo| simulate::simulate(&cluster, algo, size, a.dtype, pipeline))
+            .collect::<Result<Vec<_>, _>>()?;
+        let (pick, why) = simulate::built_in_choice(&cluster, collective, size);
+        let best = (predictions.iter())
+            .min_by(|x, y| x.seconds.total_cmp(&y.seconds))
+            .map(|p| p.algorithm);
+        for p in &predictions {
+            let row = row(collective, &cluster, p, a.dtype.size(), pick.name, best);
+            print_row(&mut out, &row).map_err(io)?;
+            rows.push(row);
+        }
+        if algos.len() > 1 {
+            writeln!(out, "#   selector: {} ({why})", pick.name).map_err(io)?;
+        }
+    }
+    if let Some(path) = &a.json {
+        let report = Report {
+            collective: collective.name(),
+            cluster: cluster.to_string(),
+            ranks: cluster.ranks,
+            ranks_per_host: cluster.ranks_per_host,
+            chunk: pipeline.chunk,
+            depth: pipeline.depth,
+            dtype: a.dtype.name(),
+            results: rows,
+        };
+        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
+        match to_stdout {
+            true => println!("{text}"),
+            false => File::create(path)
+                .and_then(|mut f| writeln!(f, "{text}"))
+                .map_err(|e| format!("{}: {e}", path.display()))?,
+        }
+    }
+    Ok(())
+}
+
+fn parse_collective(name: &str) -> Result<Collective, String> {
+    (Collective::ALL.into_iter())
+        .filter(|c| *c != Collective::AllToAllV)
+        .find(|c| c.name() == name.to_ascii_lowercase())
+        .ok_or_else(|| {
+            format!("'{name}' is not a collective the simulator runs (allreduce, alltoall, reducescatter, allgather, broadcast, reduce, barrier)")
+        })
+}
+
+fn cluster(a: &SimArgs) -> Cluster {
+    Cluster {
+        ranks: a.ranks,
+        ranks_per_host: a.ranks_per_host.max(1),
+        link: Link {
+            bandwidth: a.link / 8.0,
+            latency: a.link_latency,
+        },
+        intra: Link {
+            bandwidth: a.intra / 8.0,
+            latency: a.intra_latency,
+        },
+        overhead: a.overhead,
+        reduce_bandwidth: a.reduce_bw,
+        oversubscription: a.oversubscription,
+    }
+}
+
+/// The algorithms to simulate: the one named, or every one that runs as
+/// itself on this cluster.
+fn algorithms(
+    collective: Collective,
+    name: Option<&str>,
+    cluster: &Cluster,
+) -> Result<Vec<&'static Algorithm>, String> {
+    let hosts = cluster.host_ranks();
+    match name {
+        Some(name) => algo::find(collective, name)
+            .map(|a| vec![a])
+            .ok_or_else(|| {
+                format!(
+                    "no {collective} algorithm named '{name}' (available: {})",
+                    algo::names(collective).join(", ")
+                )
+            }),
+        None => Ok((algo::ALGORITHMS.iter())
+            .filter(|a| a.collective == collective && algo::fits(a.name, &hosts))
+            .collect()),
+    }
+}
+
+fn row(
+    collective: Collective,
+    cluster: &Cluster,
+    p: &Prediction,
+    elem: usize,
+    pick: &str,
+    best: Option<&str>,
+) -> Row {
+    let algbw = match p.seconds {
+        s if s > 0.0 => p.bytes as f64 / s / 1e9,
+        _ => 0.0,
+    };
+    Row {
+        size: p.bytes,
+        count: p.bytes / elem,
+        algorithm: p.algorithm,
+        time_us: p.seconds * 1e6,
+        algbw_gbs: algbw,
+        busbw_gbs: algbw * collective.bus_factor(cluster.ranks),
+        selected: p.algorithm == pick,
+        fastest: Some(p.algorithm) == best,
+        messages: p.messages,
+        events: p.events,
+        wall_s: p.wall.as_secs_f64(),
+    }
+}
+
+fn print_row(out: &mut dyn Write, r: &Row) -> std::io::Result<()> {
+    let marks = format!(
+        "{}{}",
+        if r.selected { "*" } else { "" },
+        if r.fastest { "<" } else { "" }
+    );
+    writeln!(
+        out,
+        "  {:>10}  {:>12}  {:<14} {:>12.2} {:>8.2} {:>8.2} {:>11} {:>10} {:>8.2}",
+        r.size,
+        r.count,
+        format!("{}{marks}", r.algorithm),
+        r.time_us,
+        r.algbw_gbs,
+        r.busbw_gbs,
+        r.messages,
+        r.events,
+        r.wall_s
+    )?;
+    out.flush()
+}

@@ -1,0 +1,284 @@
+//! The discrete-event engine: every rank's schedule run by the executor
+//! itself, its [`Effects`] carried out on a virtual clock.
+//!
+//! A rank runs (executor steps until nothing moves) when it is woken: at
+//! the start, and when a transfer it posted completes. Posting a transfer
+//! matches it with the peer's in posting order (both ends of a connection
+//! post matching steps in the same order); once both ends posted, the
+//! model fixes when it completes and wakes both ends then.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use transport::Rank;
+
+use super::model::{Cluster, Link, Ports};
+use crate::executor::{Effects, Execution, Progress, Source, Windows};
+use crate::schedule::{Action, Schedule, Span, Step};
+
+/// One rank of the simulation.
+pub(super) struct Member {
+    pub sched: Schedule,
+    pub exec: Execution<u32>,
+    /// When its CPU is next free.
+    pub now: f64,
+    pub finished: Option<f64>,
+}
+
+/// A message: posted by one end or both.
+#[derive(Clone, Copy)]
+struct Transfer {
+    send_posted: f64,
+    recv_posted: f64,
+    /// When the last byte landed; infinite until both ends posted.
+    done: f64,
+    /// Ends that have not yet seen it complete.
+    watchers: u8,
+}
+
+/// Posts one end has made that the other has not matched yet.
+#[derive(Default)]
+struct Channel {
+    sends: VecDeque<u32>,
+    recvs: VecDeque<u32>,
+}
+
+/// Everything ranks share: messages, ports, the event queue.
+struct World<'c> {
+    cluster: &'c Cluster,
+    transfers: Vec<Transfer>,
+    free: Vec<u32>,
+    channels: HashMap<u64, Channel, BuildHasherDefault<PairHasher>>,
+    nics: Ports,
+    shm: Ports,
+    wakeups: BinaryHeap<Reverse<(u64, u32)>>,
+    messages: u64,
+}
+
+/// What a run produced.
+pub(super) struct Outcome {
+    /// When the last rank finished, seconds.
+    pub seconds: f64,
+    /// Messages carried.
+    pub messages: u64,
+    /// Times a rank was woken to run its executor.
+    pub events: u64,
+}
+
+/// Runs every member's schedule to completion.
+pub(super) fn run(
+    cluster: &Cluster,
+    members: &mut [Member],
+    windows: Windows,
+) -> Result<Outcome, String> {
+    let mut world = World {
+        cluster,
+        transfers: Vec::new(),
+        free: Vec::new(),
+        channels: HashMap::default(),
+        nics: Ports::new(cluster.hosts()),
+        shm: Ports::new(cluster.ranks),
+        wakeups: (0..members.len() as u32).map(|r| Reverse((0, r))).collect(),
+        messages: 0,
+    };
+    for m in members.iter_mut() {
+        m.exec.start(&m.sched, cluster.ranks, windows);
+    }
+    let mut events = 0;
+    while let Some(Reverse((at, rank))) = world.wakeups.pop() {
+        let m = &mut members[rank as usize];
+        if m.finished.is_some() {
+            continue;
+        }
+        events += 1;
+        m.now = m.now.max(f64::from_bits(at));
+        let mut fx = RankEffects {
+            me: rank,
+            now: m.now,
+            world: &mut world,
+        };
+        loop {
+            let progress =
+                (m.exec.progress(&m.sched, &mut fx)).map_err(|e| format!("rank {rank}: {e}"))?;
+            match progress {
+                Progress::Moved => continue,
+                Progress::Done => m.finished = Some(fx.now),
+                Progress::Idle => {}
+            }
+            break;
+        }
+        m.now = fx.now;
+    }
+    if let Some(r) = members.iter().position(|m| m.finished.is_none()) {
+        let w = members[r].exec.waiting_on(&members[r].sched);
+        return Err(format!(
+            "deadlock: rank {r} never finished (waiting on {w:?}): the schedules do not match"
+        ));
+    }
+    Ok(Outcome {
+        seconds: members
+            .iter()
+            .filter_map(|m| m.finished)
+            .fold(0.0, f64::max),
+        messages: world.messages,
+        events,
+    })
+}
+
+/// One rank's view of the world while its executor steps.
+struct RankEffects<'w, 'c> {
+    me: u32,
+    now: f64,
+    world: &'w mut World<'c>,
+}
+
+impl World<'_> {
+    fn wake(&mut self, rank: u32, at: f64) {
+        self.wakeups.push(Reverse((at.to_bits(), rank)));
+    }
+
+    fn new_transfer(&mut self, t: Transfer) -> u32 {
+        match self.free.pop() {
+            Some(id) => {
+                self.transfers[id as usize] = t;
+                id
+            }
+            None => {
+                self.transfers.push(t);
+                (self.transfers.len() - 1) as u32
+            }
+        }
+    }
+
+    /// A send from `src` or a receive at `dst` posted at `at`: matched with
+    /// the other end's oldest unmatched post, or queued until it comes.
+    fn post(&mut self, src: u32, dst: u32, send: bool, at: f64, bytes: usize) -> u32 {
+        let channel = self.channels.entry(pair(src, dst)).or_default();
+        let theirs = match send {
+            true => channel.recvs.pop_front(),
+            false => channel.sends.pop_front(),
+        };
+        match theirs {
+            Some(id) => {
+                self.matched(id, src, dst, send, at, bytes);
+                id
+            }
+            None => {
+                let posted = |mine: bool| if mine { at } else { f64::NAN };
+                let id = self.new_transfer(Transfer {
+                    send_posted: posted(send),
+                    recv_posted: posted(!send),
+                    done: f64::INFINITY,
+                    watchers: 2,
+                });
+                let channel = self.channels.get_mut(&pair(src, dst)).expect("made above");
+                match send {
+                    true => channel.sends.push_back(id),
+                    false => channel.recvs.push_back(id),
+                }
+                id
+            }
+        }
+    }
+
+    /// Both ends of transfer `id` posted: the model says when it lands, and
+    /// both ends wake then.
+    fn matched(&mut self, id: u32, src: u32, dst: u32, send: bool, at: f64, bytes: usize) {
+        let t = &mut self.transfers[id as usize];
+        match send {
+            true => t.send_posted = at,
+            false => t.recv_posted = at,
+        }
+        let (send_posted, recv_posted) = (t.send_posted, t.recv_posted);
+        let c = self.cluster;
+        let (s, d) = (src as usize, dst as usize);
+        let (hs, hd) = (c.host_of(s), c.host_of(d));
+        let done = if hs == hd {
+            let ready = send_posted.max(recv_posted);
+            self.shm.carry(s, d, ready, bytes as f64, c.intra)
+        } else {
+            // The receive's clear-to-send crosses the network first.
+            let ready = send_posted.max(recv_posted + c.link.latency);
+            let link = Link {
+                bandwidth: c.network_bandwidth(),
+                latency: c.link.latency,
+            };
+            self.nics.carry(hs, hd, ready, bytes as f64, link)
+        };
+        self.transfers[id as usize].done = done;
+        self.messages += 1;
+        self.wake(src, done);
+        self.wake(dst, done);
+    }
+}
+
+impl Effects for RankEffects<'_, '_> {
+    type Token = u32;
+
+    fn post(&mut self, step: &Step, _slot: Option<usize>) -> transport::Result<u32> {
+        self.now += self.world.cluster.overhead;
+        let peer = step.peer as u32;
+        let (src, dst) = match step.is_send() {
+            true => (self.me, peer),
+            false => (peer, self.me),
+        };
+        Ok(self
+            .world
+            .post(src, dst, step.is_send(), self.now, step.span.len))
+    }
+
+    fn is_done(&mut self, _peer: Rank, token: u32) -> transport::Result<bool> {
+        let t = &mut self.world.transfers[token as usize];
+        if t.done > self.now {
+            return Ok(false);
+        }
+        t.watchers -= 1;
+        if t.watchers == 0 {
+            self.world.free.push(token);
+        }
+        Ok(true)
+    }
+
+    fn progress(&mut self, _involved: &[bool]) -> transport::Result<bool> {
+        Ok(false)
+    }
+
+    fn apply(&mut self, action: Action, span: Span, _from: Source) {
+        let c = self.world.cluster;
+        self.now += span.len as f64
+            / match action {
+                Action::Reduce { .. } => c.reduce_bandwidth,
+                Action::Copy => c.intra.bandwidth,
+            };
+    }
+
+    fn copy(&mut self, from: Span, _to: Span) {
+        self.now += from.len as f64 / self.world.cluster.intra.bandwidth;
+    }
+}
+
+fn pair(src: u32, dst: u32) -> u64 {
+    (u64::from(src) << 32) | u64::from(dst)
+}
+
+/// Hashes a [`pair`] with one multiplication: keys are small distinct
+/// integers, and SipHash's cost showed in profiles of large simulations.
+#[derive(Default)]
+struct PairHasher(u64);
+
+impl Hasher for PairHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (v ^ (v >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}

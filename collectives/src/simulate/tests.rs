@@ -1,0 +1,146 @@
+use super::*;
+
+fn find(c: Collective, name: &str) -> &'static Algorithm {
+    algo::find(c, name).unwrap()
+}
+
+/// A cluster with one cost at a time: only latency, or only bandwidth.
+fn bare(ranks: usize, per_host: usize) -> Cluster {
+    Cluster {
+        overhead: 0.0,
+        reduce_bandwidth: 1e18,
+        link: Link {
+            bandwidth: 1e10,
+            latency: 0.0,
+        },
+        intra: Link {
+            bandwidth: 1e18,
+            latency: 0.0,
+        },
+        ..Cluster::roce(ranks, per_host)
+    }
+}
+
+fn close(got: f64, want: f64, tolerance: f64) -> bool {
+    (got - want).abs() <= tolerance * want
+}
+
+#[test]
+fn ring_allreduce_moves_2_n_minus_1_over_n_of_the_buffer_per_link() {
+    let bytes = 256 << 20;
+    for n in [2, 4, 8] {
+        let c = bare(n, 1);
+        let p = simulate(
+            &c,
+            find(Collective::AllReduce, "ring"),
+            bytes,
+            DataType::F32,
+            Pipeline::default(),
+        )
+        .unwrap();
+        let want = 2.0 * (n - 1) as f64 / n as f64 * bytes as f64 / c.link.bandwidth;
+        assert!(
+            close(p.seconds, want, 0.02),
+            "{n} ranks: {} s, model {want} s",
+            p.seconds
+        );
+    }
+}
+
+#[test]
+fn latency_bound_calls_pay_their_algorithms_hop_counts() {
+    // 8 B on 8 hosts, latency L only. Every message waits for its
+    // receiver's clear-to-send (L), then takes L. The ring's receives are
+    // posted ahead, so after the first its 2(n-1) steps cost L each: 15 L.
+    // Direct posts 4 of its 7 receives (4 staging slots): 2 L, then 2 L
+    // for the other 3.
+    let mut c = bare(8, 1);
+    c.link.latency = 1e-6;
+    let time = |name| {
+        simulate(
+            &c,
+            find(Collective::AllReduce, name),
+            8,
+            DataType::F32,
+            Pipeline::default(),
+        )
+        .unwrap()
+        .seconds
+    };
+    assert!(close(time("ring"), 15e-6, 0.01), "ring {}", time("ring"));
+    assert!(
+        close(time("direct"), 4e-6, 0.01),
+        "direct {}",
+        time("direct")
+    );
+    // Up a tree of depth 4 (8 ranks in order) and down again, 2 trees at
+    // once: at most 2 x 4 hops plus the first clear-to-send.
+    let tree = time("tree");
+    assert!((6e-6..=9e-6).contains(&tree), "tree {tree}");
+}
+
+#[test]
+fn a_hosts_ranks_share_its_nic() {
+    // AllToAll, 2 hosts x 4 ranks: each NIC carries 16 blocks each way.
+    let bytes = 64 << 20;
+    let c = bare(8, 4);
+    let p = simulate(
+        &c,
+        find(Collective::AllToAll, "pairwise"),
+        bytes,
+        DataType::F32,
+        Pipeline::default(),
+    )
+    .unwrap();
+    let want = 16.0 * (bytes / 8) as f64 / c.link.bandwidth;
+    assert!(
+        close(p.seconds, want, 0.05),
+        "{} s, model {want} s",
+        p.seconds
+    );
+}
+
+#[test]
+fn every_algorithm_finishes_at_every_size_and_shape() {
+    for a in algo::ALGORITHMS
+        .iter()
+        .filter(|a| a.collective != Collective::AllToAllV)
+    {
+        for (n, per_host) in [(1, 1), (2, 1), (3, 1), (5, 2), (8, 4), (12, 4)] {
+            let c = Cluster::roce(n, per_host);
+            for bytes in [0, 4, 36, 4 * 1001, 3 << 20] {
+                let p = Pipeline {
+                    chunk: 1 << 20,
+                    depth: 2,
+                };
+                let r = simulate(&c, a, bytes, DataType::F32, p);
+                let r = r.unwrap_or_else(|e| {
+                    panic!("{} {}: {n} ranks, {bytes} B: {e}", a.collective, a.name)
+                });
+                assert!(r.seconds.is_finite() && r.seconds >= 0.0);
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchical_takes_fewer_hops_in_a_row_than_the_flat_ring() {
+    // 4 hosts x 8 ranks, 256 KiB: a block of the flat ring passes 62 hops
+    // one after the other (8 of them across the network); the
+    // hierarchical one's pass 7 + 6 + 7.
+    let c = Cluster::roce(32, 8);
+    let bytes = 256 << 10;
+    let time = |name| {
+        simulate(
+            &c,
+            find(Collective::AllReduce, name),
+            bytes,
+            DataType::F32,
+            Pipeline::default(),
+        )
+        .unwrap()
+        .seconds
+    };
+    let (ring, hier) = (time("ring"), time("hierarchical"));
+    assert!(hier < ring, "hierarchical {hier} s, ring {ring} s");
+}
