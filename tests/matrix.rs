@@ -52,6 +52,8 @@ const TREE: (&str, &str) = (
     "allreduce=tree,broadcast=binomial,reduce=binomial",
 );
 
+const HALVING: (&str, &str) = ("COLL_ALGO", "allreduce=rabenseifner");
+
 #[test]
 fn one_rank() {
     matrix(1, "1M", "auto");
@@ -100,6 +102,21 @@ fn three_ranks_tcp_tree() {
 #[test]
 fn five_ranks_shm_tree_small_chunks() {
     matrix_with(5, "4K", "shm", &[TREE]);
+}
+
+#[test]
+fn three_ranks_shm_rabenseifner_small_chunks() {
+    matrix_with(3, "4K", "shm", &[HALVING]);
+}
+
+#[test]
+fn six_ranks_tcp_rabenseifner() {
+    matrix_with(6, "64K", "tcp", &[HALVING]);
+}
+
+#[test]
+fn eight_ranks_shm_rabenseifner_small_chunks() {
+    matrix_with(8, "4K", "shm", &[HALVING]);
 }
 
 #[test]

@@ -7,9 +7,12 @@ mod binomial;
 mod chain;
 mod direct;
 mod dissemination;
+mod halving;
 mod hierarchical;
 mod p2p;
 mod pairwise;
+#[cfg(test)]
+mod replay;
 mod ring;
 mod tree;
 
@@ -160,6 +163,7 @@ pub static ALGORITHMS: &[Algorithm] = &[
     direct::ALLREDUCE,
     tree::ALLREDUCE,
     hierarchical::ALLREDUCE,
+    halving::ALLREDUCE,
     pairwise::ALLTOALL,
     pairwise::ALLTOALLV,
     dissemination::BARRIER,

@@ -1,0 +1,264 @@
+//! Rabenseifner's AllReduce: a reduce-scatter by recursive halving, then an
+//! all-gather by recursive doubling, among the largest power of two p <= n
+//! ranks: 2 log2(p) steps (the ring's 2(n-1)) while each rank still sends
+//! only 2(p-1)/p of the buffer, so it suits sizes too large for the trees
+//! and rank counts too large for the ring's latency.
+//!
+//! Non-powers of two: of the first 2r ranks (r = n - p), each even one sends
+//! its buffer to the odd one after it, which reduces it and takes part for
+//! both; the even one receives the result at the end.
+//!
+//! With p ranks numbered 0..p (`id`), the buffer is cut into p blocks and
+//! `group(x, i)` is the block range of the 2^i ids that share x's bits above
+//! bit i. Halving step with distance d = p/2, p/4, .., 1: partners id and
+//! id ^ d split the range they hold, `group(id, log2 d + 1)`; the one with
+//! bit d clear keeps the lower half. Each reduces the half it keeps, so id
+//! ends with block id fully reduced (reduced at one rank only: every rank
+//! gets the same bits). Doubling retraces the steps, each rank sending all
+//! it holds. Messages are cut at multiples of the chunk size from the
+//! buffer's start, so a chunk reduced and sent on lies inside the chunk that
+//! wrote it (its `after`), whichever half it belongs to.
+
+use super::{Algorithm, Layout};
+use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::Collective;
+
+pub(super) const ALLREDUCE: Algorithm = Algorithm {
+    name: "rabenseifner",
+    collective: Collective::AllReduce,
+    summary: "reduce-scatter by recursive halving, all-gather by recursive doubling; 2 log2(n) steps, bandwidth-optimal",
+    in_place: true,
+    build,
+};
+
+/// The ranks taking part (p of them) and this rank's role.
+struct Plan {
+    p: usize,
+    /// Ranks paired off before and after (`r` = n - p).
+    r: usize,
+    levels: u32,
+}
+
+impl Plan {
+    fn new(n: usize) -> Self {
+        let p = 1 << n.ilog2();
+        Plan {
+            p,
+            r: n - p,
+            levels: p.ilog2(),
+        }
+    }
+
+    /// The id of a rank that takes part.
+    fn id(&self, rank: usize) -> Option<usize> {
+        match rank {
+            r if r < 2 * self.r => (r % 2 == 1).then_some(r / 2),
+            r => Some(r - self.r),
+        }
+    }
+
+    fn rank(&self, id: usize) -> usize {
+        if id < self.r {
+            2 * id + 1
+        } else {
+            id + self.r
+        }
+    }
+}
+
+/// What this rank wrote last, by byte range, so a later step on a range
+/// can wait for it.
+#[derive(Default)]
+struct Writes(Vec<(usize, usize, StepId)>);
+
+impl Writes {
+    fn record(&mut self, span: Span, step: StepId) {
+        self.0.push((span.offset, span.offset + span.len, step));
+    }
+
+    /// The newest step that wrote into `span`. Its bytes were last written
+    /// by steps of one queue (one partner's receives at one step, which
+    /// retire in order), so waiting for the newest waits for all.
+    fn of(&self, span: Span) -> Option<StepId> {
+        let end = span.offset + span.len;
+        (self.0.iter().rev())
+            .find(|(a, b, _)| *a < end && span.offset < *b)
+            .map(|w| w.2)
+    }
+}
+
+fn build(l: &Layout, s: &mut Schedule) {
+    let n = l.size;
+    let whole = Span {
+        buf: Buf::Output,
+        offset: 0,
+        len: l.count * l.elem,
+    };
+    if n == 1 {
+        if !l.in_place {
+            s.copy(
+                Span {
+                    buf: Buf::Input,
+                    ..whole
+                },
+                whole,
+            );
+        }
+        return;
+    }
+    let plan = Plan::new(n);
+    let mut writes = Writes::default();
+    let Some(id) = plan.id(l.rank) else {
+        // Paired off: contribute, then receive the partner's result.
+        let partner = l.rank + 1;
+        let mut last = None;
+        for c in grid(l, (0, whole.len)) {
+            last = Some(s.send(
+                partner,
+                Span {
+                    buf: l.input(),
+                    ..c
+                },
+                None,
+            ));
+        }
+        let pid = plan.id(partner).expect("odd ranks take part");
+        for piece in pieces(l, &plan, pid, plan.levels) {
+            for c in grid(l, piece) {
+                s.recv(partner, c, last);
+            }
+        }
+        return;
+    };
+    // Where this rank's partial result is: its input until it reduced something.
+    let mut in_output = l.in_place;
+    if l.rank < 2 * plan.r {
+        let with = !l.in_place;
+        for c in grid(l, (0, whole.len)) {
+            let w = with.then_some(Span {
+                buf: Buf::Input,
+                ..c
+            });
+            let step = s.recv_reduce(l.rank - 1, c, w, false, None);
+            writes.record(c, step);
+        }
+        in_output = true;
+    }
+    let last_sends = halve(l, s, &plan, id, &mut writes, in_output);
+    double(l, s, &plan, id, &mut writes, &last_sends);
+    if l.rank < 2 * plan.r {
+        for piece in pieces(l, &plan, id, plan.levels) {
+            for c in grid(l, piece) {
+                s.send(l.rank - 1, c, writes.of(c));
+            }
+        }
+    }
+}
+
+/// The reduce-scatter: returns, per step, the last send (a later receive
+/// into what it sent must wait for it when in place).
+fn halve(
+    l: &Layout,
+    s: &mut Schedule,
+    plan: &Plan,
+    id: usize,
+    writes: &mut Writes,
+    mut in_output: bool,
+) -> Vec<Option<StepId>> {
+    let mut last_sends = Vec::new();
+    for level in (1..=plan.levels).rev() {
+        let d = 1 << (level - 1);
+        let partner = plan.rank(id ^ d);
+        let keep = group(l, plan, id, level - 1);
+        let give = group(l, plan, id ^ d, level - 1);
+        let from = if in_output { Buf::Output } else { l.input() };
+        let mut last = None;
+        for c in grid(l, give) {
+            last = Some(s.send(partner, Span { buf: from, ..c }, writes.of(c)));
+        }
+        last_sends.push(last);
+        for c in grid(l, keep) {
+            let with = (!in_output && !l.in_place).then_some(Span {
+                buf: Buf::Input,
+                ..c
+            });
+            let step = s.recv_reduce(partner, c, with, level == 1, writes.of(c));
+            writes.record(c, step);
+        }
+        in_output = true;
+    }
+    last_sends
+}
+
+/// The all-gather: each step sends every piece this rank holds and receives
+/// the partner's.
+fn double(
+    l: &Layout,
+    s: &mut Schedule,
+    plan: &Plan,
+    id: usize,
+    writes: &mut Writes,
+    last_sends: &[Option<StepId>],
+) {
+    for level in 0..plan.levels {
+        let d = 1 << level;
+        let partner = plan.rank(id ^ d);
+        for piece in pieces(l, plan, id, level) {
+            for c in grid(l, piece) {
+                s.send(partner, c, writes.of(c));
+            }
+        }
+        // The halving step with the same partner sent what lands here.
+        let sent = last_sends[(plan.levels - 1 - level) as usize];
+        for piece in pieces(l, plan, id ^ d, level) {
+            for c in grid(l, piece) {
+                let step = s.recv(partner, c, sent);
+                writes.record(c, step);
+            }
+        }
+    }
+}
+
+/// Byte range of the blocks of the 2^level ids sharing `id`'s bits above `level`.
+fn group(l: &Layout, plan: &Plan, id: usize, level: u32) -> (usize, usize) {
+    let first = id & !((1 << level) - 1);
+    let (start, _) = block(l, plan, first);
+    let (last, len) = block(l, plan, first + (1 << level) - 1);
+    (start, last + len - start)
+}
+
+/// Block `i` of p, as `(offset, len)` in bytes.
+fn block(l: &Layout, plan: &Plan, i: usize) -> (usize, usize) {
+    let (base, extra) = (l.count / plan.p, l.count % plan.p);
+    let start = i * base + i.min(extra);
+    (start * l.elem, (base + usize::from(i < extra)) * l.elem)
+}
+
+/// What `id` holds after `level` doubling steps, as ranges in ascending
+/// order, each written by one step: its own block and one group per step.
+fn pieces(l: &Layout, plan: &Plan, id: usize, level: u32) -> Vec<(usize, usize)> {
+    let mut v: Vec<_> = std::iter::once(group(l, plan, id, 0))
+        .chain((0..level).map(|i| group(l, plan, id ^ (1 << i), i)))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// `(offset, len)` cut at multiples of the chunk size from the buffer's start.
+fn grid(l: &Layout, (offset, len): (usize, usize)) -> impl Iterator<Item = Span> + use<> {
+    let chunk = l.chunk;
+    let end = offset + len;
+    let mut at = offset;
+    std::iter::from_fn(move || {
+        (at < end).then(|| {
+            let next = ((at / chunk + 1) * chunk).min(end);
+            let span = Span {
+                buf: Buf::Output,
+                offset: at,
+                len: next - at,
+            };
+            at = next;
+            span
+        })
+    })
+}

@@ -1,0 +1,292 @@
+//! Every rank's schedule run by the executor in one thread, with real data
+//! and transfers that copy at a random moment between posting and
+//! completion, in a random order: a step that touches memory before its
+//! `after` edges allow shows up as a wrong result, whatever the timing of
+//! real transports would have hidden.
+
+use std::collections::{HashMap, VecDeque};
+
+use super::{Algorithm, Layout};
+use crate::executor::{Effects, Execution, Progress, Source, Windows};
+use crate::schedule::{Action, Buf, Schedule, Span, Step};
+use crate::{CallDesc, Collective, DataType};
+
+struct Memory {
+    input: Vec<u64>,
+    output: Vec<u64>,
+    slots: Vec<Vec<u64>>,
+}
+
+impl Memory {
+    fn read(&self, span: Span) -> Vec<u64> {
+        let buf = match span.buf {
+            Buf::Input => &self.input,
+            Buf::Output => &self.output,
+        };
+        buf[span.offset / 8..][..span.len / 8].to_vec()
+    }
+
+    fn write(&mut self, span: Span) -> &mut [u64] {
+        assert_eq!(span.buf, Buf::Output, "writes go to the output");
+        &mut self.output[span.offset / 8..][..span.len / 8]
+    }
+}
+
+struct Transfer {
+    src: usize,
+    send: Span,
+    dst: usize,
+    recv: Option<(Span, Option<usize>)>,
+    copied: bool,
+    done: bool,
+}
+
+struct Replay<'a> {
+    me: usize,
+    memory: &'a mut [Memory],
+    transfers: &'a mut Vec<Transfer>,
+    /// Transfers posted by their sender only, by (src, dst); by their receiver only.
+    sends: &'a mut HashMap<(usize, usize), VecDeque<usize>>,
+    recvs: &'a mut HashMap<(usize, usize), VecDeque<usize>>,
+    rng: &'a mut u64,
+}
+
+impl Replay<'_> {
+    fn coin(&mut self) -> bool {
+        *self.rng ^= *self.rng << 13;
+        *self.rng ^= *self.rng >> 7;
+        *self.rng ^= *self.rng << 17;
+        *self.rng % 3 == 0
+    }
+}
+
+impl Effects for Replay<'_> {
+    type Token = usize;
+
+    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<usize> {
+        let send = step.is_send();
+        let key = match send {
+            true => (self.me, step.peer),
+            false => (step.peer, self.me),
+        };
+        let (mine, theirs) = match send {
+            true => (&mut *self.sends, &mut *self.recvs),
+            false => (&mut *self.recvs, &mut *self.sends),
+        };
+        let id = match theirs.get_mut(&key).and_then(|q| q.pop_front()) {
+            Some(id) => id,
+            None => {
+                mine.entry(key).or_default().push_back(self.transfers.len());
+                self.transfers.push(placeholder());
+                self.transfers.len() - 1
+            }
+        };
+        let t = &mut self.transfers[id];
+        match send {
+            true => (t.src, t.dst, t.send) = (key.0, key.1, step.span),
+            false => t.recv = Some((step.span, slot)),
+        }
+        Ok(id)
+    }
+
+    fn is_done(&mut self, _peer: usize, token: usize) -> transport::Result<bool> {
+        Ok(self.transfers[token].done)
+    }
+
+    fn progress(&mut self, _involved: &[bool]) -> transport::Result<bool> {
+        let mut moved = false;
+        for id in 0..self.transfers.len() {
+            let t = &self.transfers[id];
+            let Some((span, slot)) = t.recv else { continue };
+            if t.src == usize::MAX || t.done {
+                continue;
+            }
+            if !self.coin() {
+                continue;
+            }
+            let t = &self.transfers[id];
+            if !t.copied {
+                assert_eq!(
+                    t.send.len, span.len,
+                    "rank {} -> {}: lengths differ",
+                    t.src, t.dst
+                );
+                let data = self.memory[t.src].read(t.send);
+                let dst = &mut self.memory[t.dst];
+                match slot {
+                    Some(s) => dst.slots[s][..data.len()].copy_from_slice(&data),
+                    None => dst.write(span).copy_from_slice(&data),
+                }
+                self.transfers[id].copied = true;
+            } else {
+                self.transfers[id].done = true;
+            }
+            moved = true;
+        }
+        Ok(moved)
+    }
+
+    fn apply(&mut self, action: Action, span: Span, from: Source) {
+        let m = &mut self.memory[self.me];
+        let operand = match from {
+            Source::Slot(s) => m.slots[s][..span.len / 8].to_vec(),
+            Source::Local(f) => m.read(f),
+        };
+        match action {
+            Action::Copy => m.write(span).copy_from_slice(&operand),
+            Action::Reduce { with, .. } => {
+                let base = with.map(|w| m.read(w));
+                let out = m.write(span);
+                for (i, o) in out.iter_mut().enumerate() {
+                    let acc = base.as_ref().map_or(*o, |b| b[i]);
+                    *o = acc.wrapping_add(operand[i]);
+                }
+            }
+        }
+    }
+
+    fn copy(&mut self, from: Span, to: Span) {
+        let data = self.memory[self.me].read(from);
+        self.memory[self.me].write(to).copy_from_slice(&data);
+    }
+}
+
+fn placeholder() -> Transfer {
+    let span = Span {
+        buf: Buf::Output,
+        offset: 0,
+        len: 0,
+    };
+    Transfer {
+        src: usize::MAX,
+        send: span,
+        dst: usize::MAX,
+        recv: None,
+        copied: false,
+        done: false,
+    }
+}
+
+/// Runs `algo` (an AllReduce of u64 sums) on `n` ranks and checks every
+/// rank's result.
+fn check_allreduce(
+    algo: &Algorithm,
+    n: usize,
+    count: usize,
+    chunk: usize,
+    in_place: bool,
+    seed: u64,
+) {
+    let hosts: Vec<Vec<usize>> = (0..n)
+        .collect::<Vec<_>>()
+        .chunks(2)
+        .map(|c| c.to_vec())
+        .collect();
+    let value = |r: usize, i: usize| ((r as u64 + 1) << 32) ^ (i as u64 * 7919);
+    let slots = 3;
+    let mut memory: Vec<Memory> = (0..n)
+        .map(|r| {
+            let data: Vec<u64> = (0..count).map(|i| value(r, i)).collect();
+            Memory {
+                input: if in_place { Vec::new() } else { data.clone() },
+                output: if in_place { data } else { vec![0; count] },
+                slots: vec![vec![0; chunk / 8]; slots],
+            }
+        })
+        .collect();
+    let mut runs: Vec<(Schedule, Execution<usize>)> = (0..n)
+        .map(|rank| {
+            let l = Layout {
+                rank,
+                size: n,
+                count,
+                elem: 8,
+                chunk,
+                in_place,
+                root: 0,
+                hosts: &hosts,
+                call: CallDesc {
+                    collective: Collective::AllReduce,
+                    dtype: DataType::U64,
+                    op: Some(crate::ReduceOp::Sum),
+                    count: count as u64,
+                    root: None,
+                    seq: 0,
+                    comm: 0,
+                },
+                counts: None,
+                peer: None,
+            };
+            let mut s = Schedule::default();
+            (algo.build)(&l, &mut s);
+            let mut e = Execution::default();
+            let windows = Windows {
+                sends: 4,
+                recvs: 2,
+                slots,
+            };
+            e.start(&s, n, windows);
+            (s, e)
+        })
+        .collect();
+    let (mut transfers, mut sends, mut recvs) = (Vec::new(), HashMap::new(), HashMap::new());
+    let mut rng = seed * 2 + 1;
+    let mut finished = vec![false; n];
+    for round in 0.. {
+        assert!(
+            round < 1_000_000,
+            "{} on {n} ranks never finished",
+            algo.name
+        );
+        if finished.iter().all(|f| *f) {
+            break;
+        }
+        for (me, (s, e)) in runs.iter_mut().enumerate() {
+            if finished[me] {
+                continue;
+            }
+            let mut fx = Replay {
+                me,
+                memory: &mut memory,
+                transfers: &mut transfers,
+                sends: &mut sends,
+                recvs: &mut recvs,
+                rng: &mut rng,
+            };
+            finished[me] = e.progress(s, &mut fx).unwrap() == Progress::Done;
+        }
+    }
+    for (r, m) in memory.iter().enumerate() {
+        for (i, got) in m.output.iter().enumerate() {
+            let want = (0..n).fold(0u64, |a, k| a.wrapping_add(value(k, i)));
+            assert_eq!(
+                *got, want,
+                "{} on {n} ranks, {count} elements, chunk {chunk}, in place {in_place}, seed {seed}: rank {r} element {i}",
+                algo.name
+            );
+        }
+    }
+}
+
+#[test]
+fn every_allreduce_is_right_whatever_the_timing() {
+    for algo in super::ALGORITHMS
+        .iter()
+        .filter(|a| a.collective == Collective::AllReduce)
+    {
+        for n in 1..=9 {
+            for count in [0, 1, 5, 37, 300] {
+                for chunk in [16, 256] {
+                    for in_place in [false, true] {
+                        if in_place && !algo.in_place {
+                            continue;
+                        }
+                        for seed in 0..3 {
+                            check_allreduce(algo, n, count, chunk, in_place, seed);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
