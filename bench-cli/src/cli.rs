@@ -264,6 +264,12 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 1.0)]
     pub oversubscription: f64,
 
+    /// Between hosts: verbs (a message waits for its receive's
+    /// clear-to-send) or tcp (it leaves at once and waits in the receiver's
+    /// buffer)
+    #[arg(long, default_value = "verbs", value_parser = ["verbs", "tcp"])]
+    pub transport: String,
+
     /// Pipeline chunk size in bytes [default: the communicator's, 1M]
     #[arg(long, value_parser = size)]
     pub chunk: Option<u64>,

@@ -141,6 +141,7 @@ fn cluster(a: &SimArgs) -> Cluster {
         overhead: a.overhead,
         reduce_bandwidth: a.reduce_bw,
         oversubscription: a.oversubscription,
+        rendezvous: a.transport == "verbs",
     }
 }
 

@@ -8,7 +8,7 @@
 //! its buffer to the odd one after it, which reduces it and takes part for
 //! both; the even one receives the result at the end.
 //!
-//! With p ranks numbered 0..p (`id`), the buffer is cut into p blocks and
+//! With p ranks numbered 0..p (`id`, bits reversed: see [`Plan::flip`]), the buffer is cut into p blocks and
 //! `group(x, i)` is the block range of the 2^i ids that share x's bits above
 //! bit i. Halving step with distance d = p/2, p/4, .., 1: partners id and
 //! id ^ d split the range they hold, `group(id, log2 d + 1)`; the one with
@@ -57,7 +57,20 @@ impl Plan {
         }
     }
 
-    fn rank(&self, id: usize) -> usize {
+    /// `id` with its `levels` bits reversed. The steps below pair ids at
+    /// distances p/2, p/4, .., 1; pairing the reversed ids instead puts the
+    /// largest halves between neighbouring ranks (on one host, when ranks
+    /// are numbered host by host) and only the small ones across hosts.
+    fn flip(&self, id: usize) -> usize {
+        match self.levels {
+            0 => id,
+            l => id.reverse_bits() >> (usize::BITS - l),
+        }
+    }
+
+    /// The rank of (reversed) id `v`.
+    fn rank(&self, v: usize) -> usize {
+        let id = self.flip(v);
         if id < self.r {
             2 * id + 1
         } else {
@@ -108,7 +121,7 @@ fn build(l: &Layout, s: &mut Schedule) {
     }
     let plan = Plan::new(n);
     let mut writes = Writes::default();
-    let Some(id) = plan.id(l.rank) else {
+    let Some(id) = plan.id(l.rank).map(|id| plan.flip(id)) else {
         // Paired off: contribute, then receive the partner's result.
         let partner = l.rank + 1;
         let mut last = None;
@@ -122,7 +135,7 @@ fn build(l: &Layout, s: &mut Schedule) {
                 None,
             ));
         }
-        let pid = plan.id(partner).expect("odd ranks take part");
+        let pid = plan.flip(plan.id(partner).expect("odd ranks take part"));
         for piece in pieces(l, &plan, pid, plan.levels) {
             for c in grid(l, piece) {
                 s.recv(partner, c, last);

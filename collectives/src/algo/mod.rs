@@ -188,6 +188,16 @@ pub const HIERARCHICAL_MIN_BYTES: usize = 512 << 10;
 /// to 256 KiB (shared memory, 2 cores); at 4 it never beat both.
 pub const TREE_MIN_RANKS: usize = 8;
 pub const TREE_MAX_BYTES: usize = 512 << 10;
+/// From this many ranks on (more than a host here has measured), AllReduces
+/// below [`HALVING_MAX_BYTES`] that are not hierarchical take Rabenseifner's
+/// halving/doubling, by the simulator (`collbench simulate allreduce`,
+/// 400 Gb/s NICs, 8 ranks per host): at 64, 512 and 4096 ranks it led at
+/// 8 B (24.5, 40, 57 us; the tree 29, 46, 62; direct 120 and 1016), and at
+/// 1 MiB on 512 and 4096 (312 and 508 us, hierarchical 461 and 2701; at 64
+/// it trails hierarchical by 10%); on one host of 32 ranks it led from
+/// 64 KiB to 1 MiB, the ring at 256 MiB by 5%.
+pub const HALVING_MIN_RANKS: usize = 17;
+pub const HALVING_MAX_BYTES: usize = 16 << 20;
 /// Broadcast and Reduce up to this size take the binomial tree (log2 n
 /// rounds), above it the chain (pipelined, bandwidth-optimal): the binomial
 /// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
@@ -203,6 +213,10 @@ pub(crate) fn select(
 ) -> (&'static Algorithm, &'static str) {
     use Collective::*;
     match collective {
+        AllReduce if size >= HALVING_MIN_RANKS && bytes < HALVING_MAX_BYTES => (
+            &halving::ALLREDUCE,
+            "many ranks: 2 log2(n) steps, bandwidth-optimal (the simulator's pick at 32-4096 ranks)",
+        ),
         AllReduce if hierarchical::applies(hosts) && bytes >= HIERARCHICAL_MIN_BYTES => (
             &hierarchical::ALLREDUCE,
             "several hosts of equal rank counts: slices cross the network in parallel rings",

@@ -35,6 +35,8 @@ struct Transfer {
     done: f64,
     /// Ends that have not yet seen it complete.
     watchers: u8,
+    /// As posted by the end that posted first.
+    bytes: usize,
 }
 
 /// Posts one end has made that the other has not matched yet.
@@ -153,7 +155,14 @@ impl World<'_> {
 
     /// A send from `src` or a receive at `dst` posted at `at`: matched with
     /// the other end's oldest unmatched post, or queued until it comes.
-    fn post(&mut self, src: u32, dst: u32, send: bool, at: f64, bytes: usize) -> u32 {
+    fn post(
+        &mut self,
+        src: u32,
+        dst: u32,
+        send: bool,
+        at: f64,
+        bytes: usize,
+    ) -> transport::Result<u32> {
         let channel = self.channels.entry(pair(src, dst)).or_default();
         let theirs = match send {
             true => channel.recvs.pop_front(),
@@ -161,8 +170,20 @@ impl World<'_> {
         };
         match theirs {
             Some(id) => {
+                let first = self.transfers[id as usize].bytes;
+                if first != bytes {
+                    let (expected_len, got_len) =
+                        if send { (first, bytes) } else { (bytes, first) };
+                    return Err(transport::Error::Mismatch {
+                        peer: src as usize,
+                        expected_tag: 0,
+                        expected_len,
+                        got_tag: 0,
+                        got_len,
+                    });
+                }
                 self.matched(id, src, dst, send, at, bytes);
-                id
+                Ok(id)
             }
             None => {
                 let posted = |mine: bool| if mine { at } else { f64::NAN };
@@ -171,13 +192,14 @@ impl World<'_> {
                     recv_posted: posted(!send),
                     done: f64::INFINITY,
                     watchers: 2,
+                    bytes,
                 });
                 let channel = self.channels.get_mut(&pair(src, dst)).expect("made above");
                 match send {
                     true => channel.sends.push_back(id),
                     false => channel.recvs.push_back(id),
                 }
-                id
+                Ok(id)
             }
         }
     }
@@ -198,13 +220,18 @@ impl World<'_> {
             let ready = send_posted.max(recv_posted);
             self.shm.carry(s, d, ready, bytes as f64, c.intra)
         } else {
-            // The receive's clear-to-send crosses the network first.
-            let ready = send_posted.max(recv_posted + c.link.latency);
             let link = Link {
                 bandwidth: c.network_bandwidth(),
                 latency: c.link.latency,
             };
-            self.nics.carry(hs, hd, ready, bytes as f64, link)
+            if c.rendezvous {
+                // The receive's clear-to-send crosses the network first.
+                let ready = send_posted.max(recv_posted + c.link.latency);
+                self.nics.carry(hs, hd, ready, bytes as f64, link)
+            } else {
+                // Sent at once; waits in the receiver's socket buffer.
+                (self.nics.carry(hs, hd, send_posted, bytes as f64, link)).max(recv_posted)
+            }
         };
         self.transfers[id as usize].done = done;
         self.messages += 1;
@@ -223,9 +250,8 @@ impl Effects for RankEffects<'_, '_> {
             true => (self.me, peer),
             false => (peer, self.me),
         };
-        Ok(self
-            .world
-            .post(src, dst, step.is_send(), self.now, step.span.len))
+        self.world
+            .post(src, dst, step.is_send(), self.now, step.span.len)
     }
 
     fn is_done(&mut self, _peer: Rank, token: u32) -> transport::Result<bool> {

@@ -17,7 +17,11 @@
 //! done       = rx_start + m / B                                (seen by both ends)
 //! ```
 //!
-//! where `B` is the NIC's bandwidth divided by the network core's
+//! Over TCP (`rendezvous` off) a message leaves as soon as it is sent
+//! (`ready = send posted`) and waits in the receiver's socket buffer:
+//! `done = max(rx_start + m / B, receive posted)`.
+//!
+//! `B` is the NIC's bandwidth divided by the network core's
 //! oversubscription and `L` the link latency: a host's NIC sends one
 //! message at a time and receives one at a time (full duplex), shared by all
 //! its ranks, and a message cuts through (its last byte arrives `L` after it
@@ -58,6 +62,9 @@ pub struct Cluster {
     pub reduce_bandwidth: f64,
     /// How much less than the NICs' sum the network core carries (1: full bisection).
     pub oversubscription: f64,
+    /// Whether data waits for the receive to be posted and its clear-to-send
+    /// to cross the network (RDMA verbs) or leaves at once (TCP).
+    pub rendezvous: bool,
 }
 
 impl Cluster {
@@ -79,6 +86,7 @@ impl Cluster {
             overhead: 0.5e-6,
             reduce_bandwidth: 20e9,
             oversubscription: 1.0,
+            rendezvous: true,
         }
     }
 
@@ -132,11 +140,12 @@ impl fmt::Display for Cluster {
     fn fmt(&self, f: &mut fmt::Formatter) -> fmt::Result {
         write!(
             f,
-            "{} ranks, {} per host ({} hosts); NIC {:.0} Gb/s {:.2} us{}; intra-host {:.0} Gb/s {:.2} us; \
+            "{} ranks, {} per host ({} hosts); {} NIC {:.0} Gb/s {:.2} us{}; intra-host {:.0} Gb/s {:.2} us; \
              {:.2} us per message posted; reductions {:.0} GB/s",
             self.ranks,
             self.ranks_per_host,
             self.hosts(),
+            if self.rendezvous { "verbs" } else { "tcp" },
             self.link.bandwidth * 8e-9,
             self.link.latency * 1e6,
             match self.oversubscription {
