@@ -188,16 +188,10 @@ pub const HIERARCHICAL_MIN_BYTES: usize = 512 << 10;
 /// to 256 KiB (shared memory, 2 cores); at 4 it never beat both.
 pub const TREE_MIN_RANKS: usize = 8;
 pub const TREE_MAX_BYTES: usize = 512 << 10;
-/// From this many ranks on (more than a host here has measured), AllReduces
-/// below [`HALVING_MAX_BYTES`] that are not hierarchical take Rabenseifner's
-/// halving/doubling, by the simulator (`collbench simulate allreduce`,
-/// 400 Gb/s NICs, 8 ranks per host): at 64, 512 and 4096 ranks it led at
-/// 8 B (24.5, 40, 57 us; the tree 29, 46, 62; direct 120 and 1016), and at
-/// 1 MiB on 512 and 4096 (312 and 508 us, hierarchical 461 and 2701; at 64
-/// it trails hierarchical by 10%); on one host of 32 ranks it led from
-/// 64 KiB to 1 MiB, the ring at 256 MiB by 5%.
-pub const HALVING_MIN_RANKS: usize = 17;
-pub const HALVING_MAX_BYTES: usize = 16 << 20;
+/// From this many ranks on (more than were measured here), AllReduces are
+/// chosen by [`at_scale`], from the simulator's predictions.
+pub const SCALE_MIN_RANKS: usize = 17;
+
 /// Broadcast and Reduce up to this size take the binomial tree (log2 n
 /// rounds), above it the chain (pipelined, bandwidth-optimal): the binomial
 /// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
@@ -213,10 +207,7 @@ pub(crate) fn select(
 ) -> (&'static Algorithm, &'static str) {
     use Collective::*;
     match collective {
-        AllReduce if size >= HALVING_MIN_RANKS && bytes < HALVING_MAX_BYTES => (
-            &halving::ALLREDUCE,
-            "many ranks: 2 log2(n) steps, bandwidth-optimal (the simulator's pick at 32-4096 ranks)",
-        ),
+        AllReduce if size >= SCALE_MIN_RANKS => at_scale(bytes, hosts),
         AllReduce if hierarchical::applies(hosts) && bytes >= HIERARCHICAL_MIN_BYTES => (
             &hierarchical::ALLREDUCE,
             "several hosts of equal rank counts: slices cross the network in parallel rings",
@@ -234,6 +225,42 @@ pub(crate) fn select(
             "latency-bound size: log2(n) rounds beat the chain's n-1 hops",
         ),
         _ => (default_for(collective), "the bandwidth-optimal default"),
+    }
+}
+
+/// AllReduce at [`SCALE_MIN_RANKS`] or more, by the simulator (`collbench
+/// simulate allreduce --ranks N`, 8 ranks per host, 400 Gb/s NICs; time per
+/// call in us at 64 / 512 / 4096 ranks):
+///
+/// | size  | rabenseifner      | hierarchical (tree or ring across) | tree          | direct     |
+/// |-------|-------------------|------------------------------------|---------------|------------|
+/// | 8 B   | 24.5 / 40 / 57    | 34 / 52 / 70                       | 29 / 46 / 62  | 120 / 1016 |
+/// | 64 KiB| 65 / 165 / 347    | 48 / 69 / 91                       |               |            |
+/// | 1 MiB | 199 / 312 / 508   | 182 / 356 / 437                    |               |            |
+/// | 4 MiB | 685 / 868 / 1071  | 641 / 855 / 1561                   |               |            |
+///
+/// (8 B is two elements: Rabenseifner's blocks are then mostly empty.) On
+/// one host of 32 ranks Rabenseifner led from 64 KiB to 1 MiB, the tree at
+/// 8 B by 4%, the ring at 256 MiB by 5%.
+fn at_scale(bytes: usize, hosts: &[Vec<usize>]) -> (&'static Algorithm, &'static str) {
+    const TREE_ACROSS: std::ops::Range<usize> = (1 << 10)..(4 << 20);
+    const HALVING_MAX_BYTES: usize = 16 << 20;
+    let several_hosts = hierarchical::applies(hosts);
+    if several_hosts && (TREE_ACROSS.contains(&bytes) || bytes >= HALVING_MAX_BYTES) {
+        (
+            &hierarchical::ALLREDUCE,
+            "many ranks on several hosts: reductions within hosts, a tree or rings across (the simulator's pick)",
+        )
+    } else if bytes < HALVING_MAX_BYTES {
+        (
+            &halving::ALLREDUCE,
+            "many ranks: 2 log2(n) steps, bandwidth-optimal (the simulator's pick)",
+        )
+    } else {
+        (
+            &ring::ALLREDUCE,
+            "many ranks on one host, large message: the ring (the simulator's pick)",
+        )
     }
 }
 

@@ -269,6 +269,25 @@ fn check_allreduce(
 }
 
 #[test]
+fn large_slices_cross_hosts_by_ring_in_the_hierarchical_allreduce() {
+    // Slices above the tree's limit (2 ranks per host here).
+    for n in [4, 6] {
+        let hosts = n / 2;
+        let count = 2 * super::hierarchical::TREE_SLICE_BYTES_PER_HOST * hosts / 8 + 24;
+        for in_place in [false, true] {
+            check_allreduce(
+                &super::hierarchical::ALLREDUCE,
+                n,
+                count,
+                8192,
+                in_place,
+                n as u64,
+            );
+        }
+    }
+}
+
+#[test]
 fn every_allreduce_is_right_whatever_the_timing() {
     for algo in super::ALGORITHMS
         .iter()

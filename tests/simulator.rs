@@ -1,0 +1,139 @@
+//! The simulator against measurement, where we can measure: two network
+//! namespace "hosts" (TCP over a veth pair between them, shared memory
+//! within). Link and shared-memory figures are calibrated from 2-rank runs
+//! (8 B for latency, 16 MiB for bandwidth); then every AllReduce algorithm
+//! at 2 hosts x 2 ranks is measured and predicted. A test binary of its
+//! own, so no other test shares the cores while it measures.
+
+use std::path::Path;
+use std::time::Duration;
+
+use integration_tests::{run, Hosts, Run};
+
+fn collbench() -> String {
+    integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench")
+}
+
+const SIZES: [u64; 3] = [8, 64 << 10, 4 << 20];
+const ALGORITHMS: [&str; 5] = ["ring", "direct", "tree", "rabenseifner", "hierarchical"];
+
+/// Time per call (us) by size, from a collbench or collbench simulate table
+/// (`column`: where the time is).
+fn times(table: &str, column: usize) -> Vec<(u64, f64)> {
+    (table.lines())
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            Some((f.first()?.parse().ok()?, f.get(column)?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// `per_host` ranks on each host, torchrun-style; rank 0's table.
+fn across(hosts: &Hosts, per_host: usize, port: u16, args: &str) -> String {
+    let size = per_host * hosts.names.len();
+    let job = |rank: usize| {
+        let cmd = format!(
+            "env RANK={rank} WORLD_SIZE={size} LOCAL_RANK={} MASTER_ADDR={} MASTER_PORT={port} {} allreduce -c 0 {args}",
+            rank % per_host,
+            hosts.ip(0),
+            collbench()
+        );
+        let args = hosts.exec_args(rank / per_host, &cmd);
+        move || -> Run {
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            run(Path::new("ip"), &args, &[], Duration::from_secs(300))
+        }
+    };
+    let others: Vec<_> = (1..size).map(|r| std::thread::spawn(job(r))).collect();
+    let r0 = job(0)();
+    for o in others {
+        let r = o.join().unwrap();
+        assert!(r.ok, "{}", r.stderr);
+    }
+    assert!(r0.ok, "{}\n{}", r0.stdout, r0.stderr);
+    r0.stdout
+}
+
+fn local(args: &str) -> String {
+    let args: Vec<&str> = args.split_whitespace().collect();
+    let r = run(
+        Path::new(&collbench()),
+        &args,
+        &[],
+        Duration::from_secs(300),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    r.stdout
+}
+
+/// Latency (s) and bandwidth (bytes/s) of a 2-rank ring AllReduce's table:
+/// at 8 B it is two messages one after the other, at 16 MiB each rank
+/// sends the whole buffer (halves, twice).
+fn calibrate(table: &str) -> (f64, f64) {
+    let t = times(table, 4);
+    let (small, large) = (t[0].1 * 1e-6, t[1].1 * 1e-6);
+    (small / 2.0, (16 << 20) as f64 / large)
+}
+
+#[test]
+fn predictions_for_two_hosts_are_within_a_factor_of_measurement() {
+    let Some(hosts) = Hosts::new(2) else { return };
+    let sizes = "--size 8,16M --iters 200 -w 20";
+    let (link_latency, link_bw) =
+        calibrate(&across(&hosts, 1, 29721, &format!("--algo ring {sizes}")));
+    let shm = local(&format!(
+        "allreduce -n 2 --transport shm --algo ring -c 0 {sizes}"
+    ));
+    let (intra_latency, intra_bw) = calibrate(&shm);
+    println!(
+        "calibrated: tcp {:.1} us, {:.2} GB/s; shm {:.1} us, {:.2} GB/s",
+        link_latency * 1e6,
+        link_bw * 1e-9,
+        intra_latency * 1e6,
+        intra_bw * 1e-9
+    );
+    let list = SIZES.map(|s| s.to_string()).join(",");
+    let mut ratios = Vec::new();
+    println!(
+        "{:<14} {:>9} {:>12} {:>12} {:>7}",
+        "algorithm", "size", "measured us", "predicted us", "ratio"
+    );
+    for (i, algo) in ALGORITHMS.iter().enumerate() {
+        let measured = times(
+            &across(
+                &hosts,
+                2,
+                29731 + i as u16,
+                &format!("--algo {algo} --size {list}"),
+            ),
+            4,
+        );
+        let predicted = times(
+            &local(&format!(
+                "simulate allreduce --ranks 4 --ranks-per-host 2 --transport tcp --algo {algo} --size {list} \
+                 --link {}G --link-latency {}us --intra {}G --intra-latency {}us --overhead 0 --reduce-bw 1T",
+                link_bw * 8e-9,
+                link_latency * 1e6,
+                intra_bw * 8e-9,
+                intra_latency * 1e6
+            )),
+            3,
+        );
+        assert_eq!(measured.len(), SIZES.len(), "{algo}: {measured:?}");
+        assert_eq!(predicted.len(), SIZES.len(), "{algo}: {predicted:?}");
+        for ((size, m), (_, p)) in measured.iter().zip(&predicted) {
+            let ratio = p / m;
+            println!("{algo:<14} {size:>9} {m:>12.1} {p:>12.1} {ratio:>7.2}");
+            ratios.push(ratio);
+        }
+    }
+    ratios.sort_by(f64::total_cmp);
+    let median = ratios[ratios.len() / 2];
+    let worst = ratios.iter().map(|r| r.max(1.0 / r)).fold(1.0, f64::max);
+    println!("predicted / measured: median {median:.2}, worst {worst:.1}x off");
+    // Generous: this machine's 2 cores run 4 ranks plus the kernel's TCP;
+    // the model knows nothing of cores shared.
+    assert!((0.25..=4.0).contains(&median), "median ratio {median}");
+    assert!(worst <= 10.0, "a prediction {worst}x off");
+}
