@@ -20,6 +20,12 @@ use crate::executor::{Execution, Windows};
 use crate::schedule::Schedule;
 use crate::{CallDesc, Collective, DataType};
 
+/// The most schedule steps a simulation holds (every rank's whole schedule
+/// is in memory, about [`BYTES_PER_STEP`] each with its executor state): a
+/// 4096-rank ring AllReduce has 67 million.
+pub const MAX_STEPS: usize = 100_000_000;
+const BYTES_PER_STEP: usize = 180;
+
 /// How a call is cut and pipelined: the communicator's `COLL_CHUNK` and
 /// `COLL_DEPTH`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -80,6 +86,25 @@ pub fn simulate(
         count = count / n * n;
     }
     let hosts = cluster.host_ranks();
+    let steps = |rank| {
+        let mut sched = Schedule::default();
+        (algorithm.build)(
+            &layout(collective, rank, n, count, dtype, pipeline, &hosts),
+            &mut sched,
+        );
+        sched.len()
+    };
+    // Every rank's schedule is held at once: refuse what would not fit.
+    let estimate = steps(0).max(steps(n - 1)).saturating_mul(n);
+    if estimate > MAX_STEPS {
+        return Err(format!(
+            "{} {} on {n} ranks at {bytes} B would hold about {estimate} schedule steps \
+             (over {MAX_STEPS}, ~{} GB): use a larger --chunk or fewer ranks",
+            collective,
+            algorithm.name,
+            MAX_STEPS * BYTES_PER_STEP >> 30
+        ));
+    }
     let mut members: Vec<engine::Member> = (0..n)
         .map(|rank| {
             let layout = layout(collective, rank, n, count, dtype, pipeline, &hosts);
