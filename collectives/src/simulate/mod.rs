@@ -102,7 +102,7 @@ pub fn simulate(
              (over {MAX_STEPS}, ~{} GB): use a larger --chunk or fewer ranks",
             collective,
             algorithm.name,
-            MAX_STEPS * BYTES_PER_STEP >> 30
+            (MAX_STEPS * BYTES_PER_STEP) >> 30
         ));
     }
     let mut members: Vec<engine::Member> = (0..n)
