@@ -166,7 +166,7 @@ fn bad_requests_fail_with_a_message() {
     assert!(!r.ok);
     assert!(
         r.stderr.contains(
-            "no allreduce algorithm named 'nosuch' (available: ring, direct, tree, hierarchical)"
+            "no allreduce algorithm named 'nosuch' (available: ring, direct, tree, hierarchical, rabenseifner)"
         ),
         "{}",
         r.stderr
