@@ -52,7 +52,7 @@ const TREE: (&str, &str) = (
     "allreduce=tree,broadcast=binomial,reduce=binomial",
 );
 
-const HALVING: (&str, &str) = ("COLL_ALGO", "allreduce=rabenseifner");
+const LOG_ROUNDS: (&str, &str) = ("COLL_ALGO", "allreduce=rabenseifner,alltoall=bruck");
 
 #[test]
 fn one_rank() {
@@ -105,18 +105,18 @@ fn five_ranks_shm_tree_small_chunks() {
 }
 
 #[test]
-fn three_ranks_shm_rabenseifner_small_chunks() {
-    matrix_with(3, "4K", "shm", &[HALVING]);
+fn three_ranks_shm_rabenseifner_bruck_small_chunks() {
+    matrix_with(3, "4K", "shm", &[LOG_ROUNDS]);
 }
 
 #[test]
-fn six_ranks_tcp_rabenseifner() {
-    matrix_with(6, "64K", "tcp", &[HALVING]);
+fn six_ranks_tcp_rabenseifner_bruck() {
+    matrix_with(6, "64K", "tcp", &[LOG_ROUNDS]);
 }
 
 #[test]
-fn eight_ranks_shm_rabenseifner_small_chunks() {
-    matrix_with(8, "4K", "shm", &[HALVING]);
+fn eight_ranks_shm_rabenseifner_bruck_small_chunks() {
+    matrix_with(8, "4K", "shm", &[LOG_ROUNDS]);
 }
 
 #[test]

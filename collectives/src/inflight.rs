@@ -113,6 +113,9 @@ struct Running {
     lane: usize,
     input: Option<Region>,
     output: Option<Region>,
+    /// The schedule's scratch (a call's own: calls of a group run at once).
+    scratch_buf: Vec<u64>,
+    scratch: Option<Region>,
     /// An out-of-place reduce-scatter reduces in a whole-size buffer of
     /// ours and copies this rank's block here when done.
     copy_out: Option<RawBuf>,
@@ -282,6 +285,7 @@ impl Communicator {
                 peers: &mut self.lanes[run.lane],
                 input: run.input.as_ref(),
                 output: run.output.as_ref().expect("a running call has its output"),
+                scratch: run.scratch.as_ref(),
                 staging: &self.staging,
                 dtype: desc.dtype,
                 op: desc.op.unwrap_or(ReduceOp::Sum),
@@ -562,6 +566,20 @@ impl Communicator {
             self.region(output)
                 .map_err(|e| Error::collective(rank, desc, e))?,
         );
+        run.scratch = match run.sched.scratch {
+            0 => None,
+            bytes => {
+                grow(&mut run.scratch_buf, bytes);
+                let b = RawBuf {
+                    ptr: run.scratch_buf.as_mut_ptr().cast(),
+                    len: bytes,
+                };
+                Some(
+                    self.region(b)
+                        .map_err(|e| Error::collective(rank, desc, e))?,
+                )
+            }
+        };
         run.lane = lane as usize;
         run.copy_out = copy_out;
         run.exec.start(&run.sched, self.size, windows);

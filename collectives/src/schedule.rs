@@ -13,6 +13,8 @@ pub(crate) type StepId = usize;
 pub(crate) enum Buf {
     Input,
     Output,
+    /// A buffer of the call's own, [`Schedule::scratch`] bytes (packing).
+    Scratch,
 }
 
 /// A byte range of one of the caller's buffers.
@@ -74,6 +76,8 @@ pub(crate) struct Schedule {
     pub(crate) copies: Vec<(Span, Span)>,
     /// The tag given to steps added from now on (`None`: the call's).
     tag: Option<Tag>,
+    /// Bytes of [`Buf::Scratch`] the steps use.
+    pub(crate) scratch: usize,
 }
 
 impl Schedule {
@@ -97,9 +101,9 @@ impl Schedule {
         self.push(peer, Kind::Send, span, after)
     }
 
-    /// Receive straight into `span` (an output span).
+    /// Receive straight into `span` (an output or scratch span).
     pub fn recv(&mut self, peer: Rank, span: Span, after: Option<StepId>) -> StepId {
-        debug_assert_eq!(span.buf, Buf::Output);
+        debug_assert_ne!(span.buf, Buf::Input);
         self.push(peer, Kind::Recv, span, after)
     }
 
@@ -124,8 +128,8 @@ impl Schedule {
         )
     }
 
-    /// Apply `action` from this rank's `from` (an input span) to `span`
-    /// once `after` is done. `me` is this rank.
+    /// Apply `action` from this rank's `from` (any of its spans) to `span`
+    /// (an output or scratch span) once `after` is done. `me` is this rank.
     pub fn local(
         &mut self,
         me: Rank,
@@ -134,7 +138,7 @@ impl Schedule {
         span: Span,
         after: Option<StepId>,
     ) -> StepId {
-        debug_assert!(from.buf == Buf::Input && span.buf == Buf::Output && from.len == span.len);
+        debug_assert!(span.buf != Buf::Input && from.len == span.len);
         self.push(me, Kind::Local(action, from), span, after)
     }
 
@@ -154,6 +158,11 @@ impl Schedule {
         self.steps.len()
     }
 
+    /// The steps use `bytes` of scratch (the most any asks for).
+    pub fn need_scratch(&mut self, bytes: usize) {
+        self.scratch = self.scratch.max(bytes);
+    }
+
     /// The peers this schedule sends to, ascending (for tests of algorithms).
     #[cfg(test)]
     pub fn send_peers(&self) -> Vec<Rank> {
@@ -171,5 +180,6 @@ impl Schedule {
         self.steps.clear();
         self.copies.clear();
         self.tag = None;
+        self.scratch = 0;
     }
 }

@@ -71,6 +71,8 @@ pub(crate) struct Transfers<'a> {
     /// `None` for in-place calls.
     pub input: Option<&'a Region>,
     pub output: &'a Region,
+    /// The call's scratch, when its schedule uses one.
+    pub scratch: Option<&'a Region>,
     pub staging: &'a Staging,
     pub dtype: DataType,
     pub op: ReduceOp,
@@ -179,6 +181,7 @@ impl Transfers<'_> {
     fn region(&self, buf: Buf) -> &Region {
         match (buf, self.input) {
             (Buf::Input, Some(input)) => input,
+            (Buf::Scratch, _) => self.scratch.expect("the schedule asked for scratch"),
             _ => self.output,
         }
     }
@@ -193,12 +196,13 @@ impl Transfers<'_> {
 
     #[allow(clippy::mut_from_ref)] // the buffer is reached through a raw pointer
     fn span_mut(&self, span: Span) -> &mut [u8] {
-        assert_eq!(span.buf, Buf::Output, "only the output buffer is written");
-        let r = self.output;
+        assert_ne!(span.buf, Buf::Input, "the input buffer is never written");
+        let r = self.region(span.buf);
         assert!(span.offset + span.len <= r.len);
         // SAFETY: in bounds (checked); the schedule's `after` edges guarantee
         // no posted request reads or writes this span while it is written,
-        // and `with` spans live in the distinct input buffer.
+        // `with` spans live in the distinct input buffer, and local copies
+        // go between distinct buffers (output and scratch).
         unsafe { std::slice::from_raw_parts_mut(r.ptr.add(span.offset), span.len) }
     }
 }

@@ -14,6 +14,7 @@ use crate::{CallDesc, Collective, DataType};
 struct Memory {
     input: Vec<u64>,
     output: Vec<u64>,
+    scratch: Vec<u64>,
     slots: Vec<Vec<u64>>,
 }
 
@@ -22,13 +23,18 @@ impl Memory {
         let buf = match span.buf {
             Buf::Input => &self.input,
             Buf::Output => &self.output,
+            Buf::Scratch => &self.scratch,
         };
         buf[span.offset / 8..][..span.len / 8].to_vec()
     }
 
     fn write(&mut self, span: Span) -> &mut [u64] {
-        assert_eq!(span.buf, Buf::Output, "writes go to the output");
-        &mut self.output[span.offset / 8..][..span.len / 8]
+        let buf = match span.buf {
+            Buf::Input => panic!("the input is never written"),
+            Buf::Output => &mut self.output,
+            Buf::Scratch => &mut self.scratch,
+        };
+        &mut buf[span.offset / 8..][..span.len / 8]
     }
 }
 
@@ -169,14 +175,7 @@ fn placeholder() -> Transfer {
 
 /// Runs `algo` (an AllReduce of u64 sums) on `n` ranks and checks every
 /// rank's result.
-fn check_allreduce(
-    algo: &Algorithm,
-    n: usize,
-    count: usize,
-    chunk: usize,
-    in_place: bool,
-    seed: u64,
-) {
+fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool, seed: u64) {
     let hosts: Vec<Vec<usize>> = (0..n)
         .collect::<Vec<_>>()
         .chunks(2)
@@ -190,6 +189,7 @@ fn check_allreduce(
             Memory {
                 input: if in_place { Vec::new() } else { data.clone() },
                 output: if in_place { data } else { vec![0; count] },
+                scratch: Vec::new(),
                 slots: vec![vec![0; chunk / 8]; slots],
             }
         })
@@ -206,9 +206,9 @@ fn check_allreduce(
                 root: 0,
                 hosts: &hosts,
                 call: CallDesc {
-                    collective: Collective::AllReduce,
+                    collective: algo.collective,
                     dtype: DataType::U64,
-                    op: Some(crate::ReduceOp::Sum),
+                    op: algo.collective.reduces().then_some(crate::ReduceOp::Sum),
                     count: count as u64,
                     root: None,
                     seq: 0,
@@ -219,6 +219,7 @@ fn check_allreduce(
             };
             let mut s = Schedule::default();
             (algo.build)(&l, &mut s);
+            memory[rank].scratch = vec![0; s.scratch.div_ceil(8)];
             let mut e = Execution::default();
             let windows = Windows {
                 sends: 4,
@@ -256,9 +257,16 @@ fn check_allreduce(
             finished[me] = e.progress(s, &mut fx).unwrap() == Progress::Done;
         }
     }
+    let block = count / n;
+    let want = |r: usize, i: usize| match algo.collective {
+        Collective::AllReduce => (0..n).fold(0u64, |a, k| a.wrapping_add(value(k, i))),
+        // Block j of rank r's output is block r of rank j's input.
+        Collective::AllToAll => value(i / block, r * block + i % block),
+        c => unreachable!("{c} is not replayed"),
+    };
     for (r, m) in memory.iter().enumerate() {
         for (i, got) in m.output.iter().enumerate() {
-            let want = (0..n).fold(0u64, |a, k| a.wrapping_add(value(k, i)));
+            let want = want(r, i);
             assert_eq!(
                 *got, want,
                 "{} on {n} ranks, {count} elements, chunk {chunk}, in place {in_place}, seed {seed}: rank {r} element {i}",
@@ -275,7 +283,7 @@ fn large_slices_cross_hosts_by_ring_in_the_hierarchical_allreduce() {
         let hosts = n / 2;
         let count = 2 * super::hierarchical::TREE_SLICE_BYTES_PER_HOST * hosts / 8 + 24;
         for in_place in [false, true] {
-            check_allreduce(
+            check(
                 &super::hierarchical::ALLREDUCE,
                 n,
                 count,
@@ -283,6 +291,26 @@ fn large_slices_cross_hosts_by_ring_in_the_hierarchical_allreduce() {
                 in_place,
                 n as u64,
             );
+        }
+    }
+}
+
+#[test]
+fn every_alltoall_is_right_whatever_the_timing() {
+    for algo in super::ALGORITHMS
+        .iter()
+        .filter(|a| a.collective == Collective::AllToAll)
+    {
+        for n in 1..=9 {
+            for per_rank in [0, 1, 3, 40] {
+                for chunk in [16, 256] {
+                    for in_place in [false, true] {
+                        for seed in 0..3 {
+                            check(algo, n, per_rank * n, chunk, in_place, seed);
+                        }
+                    }
+                }
+            }
         }
     }
 }
@@ -301,7 +329,7 @@ fn every_allreduce_is_right_whatever_the_timing() {
                             continue;
                         }
                         for seed in 0..3 {
-                            check_allreduce(algo, n, count, chunk, in_place, seed);
+                            check(algo, n, count, chunk, in_place, seed);
                         }
                     }
                 }
