@@ -2,10 +2,11 @@
 //! algorithm, in collbench's table layout, from the library's simulator.
 
 use std::fs::File;
-use std::io::Write;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
 
 use collectives::algo::{self, Algorithm};
-use collectives::simulate::{self, Cluster, Link, Pipeline, Prediction};
+use collectives::simulate::{self, Cluster, Link, Pipeline, Prediction, Status};
 use collectives::Collective;
 use serde::Serialize;
 
@@ -81,7 +82,31 @@ pub fn run(a: &SimArgs) -> Result<(), String> {
         let size = size as usize;
         let mut predictions = Vec::new();
         for algo in &algos {
-            match simulate::simulate(&cluster, algo, size, a.dtype, pipeline) {
+            let started = Instant::now();
+            let mut logged = started;
+            let mut report = |st: Status| {
+                let line = format!(
+                    "collbench simulate: {} at {size} B: {:.1} M wake-ups, {:.1} M messages, {:.3} ms simulated, {:.0} s",
+                    algo.name,
+                    st.events as f64 * 1e-6,
+                    st.messages as f64 * 1e-6,
+                    st.seconds * 1e3,
+                    started.elapsed().as_secs_f64()
+                );
+                if std::io::stderr().is_terminal() {
+                    eprint!("\r{line}\x1b[K");
+                } else if logged.elapsed() >= Duration::from_secs(10) {
+                    // A log gets a line every 10 s.
+                    logged = Instant::now();
+                    eprintln!("{line}");
+                }
+            };
+            let result =
+                simulate::simulate_reporting(&cluster, algo, size, a.dtype, pipeline, &mut report);
+            if std::io::stderr().is_terminal() && started.elapsed() > Duration::from_secs(1) {
+                eprint!("\r\x1b[K");
+            }
+            match result {
                 Ok(p) => predictions.push(p),
                 // With every algorithm asked for, one too large to hold is left out.
                 Err(e) if algos.len() > 1 => writeln!(out, "#   {e}").map_err(io)?,

@@ -68,11 +68,25 @@ pub(super) struct Outcome {
     pub events: u64,
 }
 
-/// Runs every member's schedule to completion.
+/// How far a run is, for progress reports: rank wake-ups so far, messages
+/// carried, and the simulated time reached.
+#[derive(Clone, Copy, Debug)]
+pub struct Status {
+    pub events: u64,
+    pub messages: u64,
+    pub seconds: f64,
+}
+
+/// Wake-ups between calls of a progress callback.
+const REPORT_EVERY: u64 = 1 << 20;
+
+/// Runs every member's schedule to completion, calling `report` every
+/// [`REPORT_EVERY`] wake-ups.
 pub(super) fn run(
     cluster: &Cluster,
     members: &mut [Member],
     windows: Windows,
+    report: &mut dyn FnMut(Status),
 ) -> Result<Outcome, String> {
     let mut world = World {
         cluster,
@@ -95,6 +109,13 @@ pub(super) fn run(
         }
         events += 1;
         m.now = m.now.max(f64::from_bits(at));
+        if events % REPORT_EVERY == 0 {
+            report(Status {
+                events,
+                messages: world.messages,
+                seconds: m.now,
+            });
+        }
         let mut fx = RankEffects {
             me: rank,
             now: m.now,

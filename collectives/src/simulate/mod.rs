@@ -13,6 +13,7 @@ mod model;
 
 use std::time::{Duration, Instant};
 
+pub use engine::Status;
 pub use model::{Cluster, Link};
 
 use crate::algo::{self, Algorithm, Layout};
@@ -69,6 +70,19 @@ pub fn simulate(
     dtype: DataType,
     pipeline: Pipeline,
 ) -> Result<Prediction, String> {
+    simulate_reporting(cluster, algorithm, bytes, dtype, pipeline, &mut |_| {})
+}
+
+/// [`simulate`], calling `report` now and then (every million rank
+/// wake-ups) during long runs.
+pub fn simulate_reporting(
+    cluster: &Cluster,
+    algorithm: &'static Algorithm,
+    bytes: usize,
+    dtype: DataType,
+    pipeline: Pipeline,
+    report: &mut dyn FnMut(Status),
+) -> Result<Prediction, String> {
     cluster.validate()?;
     let collective = algorithm.collective;
     if collective == Collective::AllToAllV {
@@ -123,7 +137,7 @@ pub fn simulate(
         recvs: pipeline.depth,
         slots: pipeline.depth,
     };
-    let out = engine::run(cluster, &mut members, windows)?;
+    let out = engine::run(cluster, &mut members, windows, report)?;
     Ok(Prediction {
         algorithm: algorithm.name,
         bytes: count * dtype.size(),
