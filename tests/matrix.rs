@@ -164,4 +164,12 @@ mod verbs {
             matrix_with(4, "64K", "verbs", &[DIRECT]);
         }
     }
+
+    // Bruck's scratch buffer is registered with the device like the caller's.
+    #[test]
+    fn three_ranks_verbs_rabenseifner_bruck() {
+        if has_rdma_device() {
+            matrix_with(3, "64K", "verbs", &[LOG_ROUNDS]);
+        }
+    }
 }
