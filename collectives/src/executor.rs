@@ -113,7 +113,12 @@ pub(crate) struct Execution<T> {
     order: Vec<StepId>,
     /// Per rank, its send and receive queue's index (`usize::MAX`: none).
     queue_of: Vec<[usize; 2]>,
+    /// Local steps that may run once their `after` is done, in schedule order.
     locals: Vec<StepId>,
+    /// `(after, step)` for local steps waiting on another local step, by
+    /// `after`: released into `locals` when it runs, so a chain of n copies
+    /// costs one check per step, not n.
+    chained: Vec<(StepId, StepId)>,
     /// The peers some step exchanges with.
     involved: Vec<bool>,
     state: Vec<State<T>>,
@@ -133,6 +138,7 @@ impl<T> Default for Execution<T> {
             order: Vec::new(),
             queue_of: Vec::new(),
             locals: Vec::new(),
+            chained: Vec::new(),
             involved: Vec::new(),
             state: Vec::new(),
             free_slots: Vec::new(),
@@ -173,9 +179,15 @@ impl<T: Copy> Execution<T> {
         self.queue_of.resize(npeers, [usize::MAX; 2]);
         self.queues.clear();
         self.locals.clear();
+        self.chained.clear();
         for (id, step) in steps.iter().enumerate() {
             if matches!(step.kind, Kind::Local(..)) {
-                self.locals.push(id);
+                match step.after {
+                    Some(a) if matches!(steps[a].kind, Kind::Local(..)) => {
+                        self.chained.push((a, id))
+                    }
+                    _ => self.locals.push(id),
+                }
                 continue;
             }
             let qi = &mut self.queue_of[step.peer][usize::from(step.is_send())];
@@ -192,6 +204,7 @@ impl<T: Copy> Execution<T> {
             }
             self.queues[*qi].len += 1;
         }
+        self.chained.sort_unstable();
         let mut start = 0;
         for q in &mut self.queues {
             q.start = start;
@@ -357,6 +370,10 @@ impl<T: Copy> Execution<T> {
             self.state[id] = State::Done;
             self.remaining -= 1;
             self.locals.remove(i);
+            // Its dependents may run now, later in this same pass.
+            let first = self.chained.partition_point(|&(a, _)| a < id);
+            let released = self.chained[first..].iter().take_while(|&&(a, _)| a == id);
+            self.locals.extend(released.map(|&(_, c)| c));
             ran = true;
         }
         ran
