@@ -79,14 +79,31 @@ impl Plan {
     }
 }
 
-/// What this rank wrote last, by byte range, so a later step on a range
-/// can wait for it.
-#[derive(Default)]
-struct Writes(Vec<(usize, usize, StepId)>);
+/// What this rank wrote, by byte range, so a later step on a range can
+/// wait for it. Every span here lies in one chunk cell of the grid (see
+/// [`grid`]), so writes are chained per cell: a lookup reads only its cell's.
+struct Writes {
+    chunk: usize,
+    /// `(start, end, step, previous write in the same cell)`.
+    all: Vec<(usize, usize, StepId, usize)>,
+    /// Per cell, the newest write's index in `all`.
+    newest: Vec<usize>,
+}
 
 impl Writes {
+    fn new(l: &Layout) -> Self {
+        Writes {
+            chunk: l.chunk,
+            all: Vec::new(),
+            newest: vec![usize::MAX; (l.count * l.elem).div_ceil(l.chunk)],
+        }
+    }
+
     fn record(&mut self, span: Span, step: StepId) {
-        self.0.push((span.offset, span.offset + span.len, step));
+        let cell = span.offset / self.chunk;
+        let end = span.offset + span.len;
+        self.all.push((span.offset, end, step, self.newest[cell]));
+        self.newest[cell] = self.all.len() - 1;
     }
 
     /// The newest step that wrote into `span`. Its bytes were last written
@@ -94,9 +111,15 @@ impl Writes {
     /// retire in order), so waiting for the newest waits for all.
     fn of(&self, span: Span) -> Option<StepId> {
         let end = span.offset + span.len;
-        (self.0.iter().rev())
-            .find(|(a, b, _)| *a < end && span.offset < *b)
-            .map(|w| w.2)
+        let mut at = self.newest[span.offset / self.chunk];
+        while at != usize::MAX {
+            let (a, b, step, previous) = self.all[at];
+            if a < end && span.offset < b {
+                return Some(step);
+            }
+            at = previous;
+        }
+        None
     }
 }
 
@@ -120,7 +143,7 @@ fn build(l: &Layout, s: &mut Schedule) {
         return;
     }
     let plan = Plan::new(n);
-    let mut writes = Writes::default();
+    let mut writes = Writes::new(l);
     let Some(id) = plan.id(l.rank).map(|id| plan.flip(id)) else {
         // Paired off: contribute, then receive the partner's result.
         let partner = l.rank + 1;

@@ -150,27 +150,9 @@ mod tests {
     use super::*;
 
     fn sends(rank: usize, hosts: &[Vec<usize>]) -> Vec<usize> {
-        let l = Layout {
-            rank,
-            size: hosts.iter().map(Vec::len).sum(),
-            count: 1 << 16,
-            elem: 4,
-            chunk: 4096,
-            in_place: false,
-            root: 0,
-            hosts,
-            call: crate::CallDesc {
-                collective: crate::Collective::AllReduce,
-                dtype: crate::DataType::F32,
-                op: Some(crate::ReduceOp::Sum),
-                count: 1 << 16,
-                root: None,
-                seq: 0,
-                comm: 0,
-            },
-            counts: None,
-            peer: None,
-        };
+        let size = hosts.iter().map(Vec::len).sum();
+        let (collective, dtype) = (crate::Collective::AllReduce, crate::DataType::F32);
+        let l = Layout::of_call(collective, dtype, rank, size, 1 << 16, 4096, false, hosts);
         let mut s = Schedule::default();
         build(&l, &mut s);
         s.send_peers()

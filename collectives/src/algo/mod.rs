@@ -48,7 +48,45 @@ pub(crate) struct Layout<'a> {
     pub peer: Option<Peer>,
 }
 
-impl Layout<'_> {
+impl<'h> Layout<'h> {
+    /// A call of `collective` with `count` elements of `dtype` on rank
+    /// `rank` of `size` (sum, root 0, chunk rounded to whole elements), as
+    /// the simulator and the schedule tests build one.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn of_call(
+        collective: Collective,
+        dtype: crate::DataType,
+        rank: usize,
+        size: usize,
+        count: usize,
+        chunk: usize,
+        in_place: bool,
+        hosts: &'h [Vec<usize>],
+    ) -> Self {
+        let elem = dtype.size();
+        Layout {
+            rank,
+            size,
+            count,
+            elem,
+            chunk: (chunk / elem).max(1) * elem,
+            in_place,
+            root: 0,
+            hosts,
+            call: CallDesc {
+                collective,
+                dtype,
+                op: collective.reduces().then_some(crate::ReduceOp::Sum),
+                count: count as u64,
+                root: collective.rooted().then_some(0),
+                seq: 0,
+                comm: 0,
+            },
+            counts: None,
+            peer: None,
+        }
+    }
+
     /// The buffer a rank's own contribution is read from.
     pub fn input(&self) -> Buf {
         if self.in_place {

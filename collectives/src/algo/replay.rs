@@ -9,7 +9,7 @@ use std::collections::{HashMap, VecDeque};
 use super::{Algorithm, Layout};
 use crate::executor::{Effects, Execution, Progress, Source, Windows};
 use crate::schedule::{Action, Buf, Schedule, Span, Step};
-use crate::{CallDesc, Collective, DataType};
+use crate::{Collective, DataType};
 
 struct Memory {
     input: Vec<u64>,
@@ -196,27 +196,16 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         .collect();
     let mut runs: Vec<(Schedule, Execution<usize>)> = (0..n)
         .map(|rank| {
-            let l = Layout {
+            let l = Layout::of_call(
+                algo.collective,
+                DataType::U64,
                 rank,
-                size: n,
+                n,
                 count,
-                elem: 8,
                 chunk,
                 in_place,
-                root: 0,
-                hosts: &hosts,
-                call: CallDesc {
-                    collective: algo.collective,
-                    dtype: DataType::U64,
-                    op: algo.collective.reduces().then_some(crate::ReduceOp::Sum),
-                    count: count as u64,
-                    root: None,
-                    seq: 0,
-                    comm: 0,
-                },
-                counts: None,
-                peer: None,
-            };
+                &hosts,
+            );
             let mut s = Schedule::default();
             (algo.build)(&l, &mut s);
             memory[rank].scratch = vec![0; s.scratch.div_ceil(8)];

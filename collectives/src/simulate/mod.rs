@@ -19,7 +19,7 @@ pub use model::{Cluster, Link};
 use crate::algo::{self, Algorithm, Layout};
 use crate::executor::{Execution, Windows};
 use crate::schedule::Schedule;
-use crate::{CallDesc, Collective, DataType};
+use crate::{Collective, DataType};
 
 /// The most schedule steps a simulation holds (every rank's whole schedule
 /// is in memory, about [`BYTES_PER_STEP`] each with its executor state): a
@@ -157,28 +157,16 @@ fn layout<'h>(
     pipeline: Pipeline,
     hosts: &'h [Vec<usize>],
 ) -> Layout<'h> {
-    let elem = dtype.size();
-    Layout {
+    Layout::of_call(
+        collective,
+        dtype,
         rank,
         size,
         count,
-        elem,
-        chunk: (pipeline.chunk / elem).max(1) * elem,
-        in_place: false,
-        root: 0,
+        pipeline.chunk,
+        false,
         hosts,
-        call: CallDesc {
-            collective,
-            dtype,
-            op: collective.reduces().then_some(crate::ReduceOp::Sum),
-            count: count as u64,
-            root: collective.rooted().then_some(0),
-            seq: 0,
-            comm: 0,
-        },
-        counts: None,
-        peer: None,
-    }
+    )
 }
 
 /// The algorithm the built-in thresholds pick for this call on `cluster`,
