@@ -8,32 +8,10 @@
 use std::path::Path;
 use std::time::Duration;
 
-use integration_tests::{assert_clean, run, Hosts, Run};
+use integration_tests::{assert_clean, run, Hosts};
 
 fn collbench() -> String {
     integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench")
-}
-
-/// Runs `cmd` as `per_host` ranks on each host, torchrun-style (RANK,
-/// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR on host 0); returns each rank's run.
-fn torchrun_style(hosts: &Hosts, per_host: usize, port: u16, cmd: &str) -> Vec<Run> {
-    let size = per_host * hosts.names.len();
-    let master = hosts.ip(0);
-    let job = |rank: usize| {
-        let cmd = format!(
-            "env RANK={rank} WORLD_SIZE={size} LOCAL_RANK={} MASTER_ADDR={master} MASTER_PORT={port} {cmd}",
-            rank % per_host
-        );
-        let args = hosts.exec_args(rank / per_host, &cmd);
-        move || {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            run(Path::new("ip"), &args, &[], Duration::from_secs(300))
-        }
-    };
-    let others: Vec<_> = (1..size).map(|r| std::thread::spawn(job(r))).collect();
-    let mut runs = vec![job(0)()];
-    runs.extend(others.into_iter().map(|o| o.join().unwrap()));
-    runs
 }
 
 /// 2 hosts x 2 ranks, torchrun-style variables, MASTER_ADDR on host 0.
@@ -44,7 +22,7 @@ fn ranks_on_two_hosts_use_tcp_between_and_shm_within() {
         "env COLL_DEBUG=info {} allreduce -b 8 -e 8M -f 32 -c 1",
         collbench()
     );
-    let runs = torchrun_style(&hosts, 2, 29611, &cmd);
+    let runs = hosts.torchrun(2, 29611, &cmd);
     for r in &runs[1..] {
         assert!(r.ok, "{}", r.stderr);
     }
@@ -79,7 +57,7 @@ fn hierarchical_allreduce_across_two_hosts() {
     let cmd = format!(
         "env COLL_ALGO=allreduce=hierarchical COLL_CHUNK=64K COLL_TIMEOUT=60 {worker} matrix"
     );
-    for (rank, r) in torchrun_style(&hosts, 2, 29612, &cmd).iter().enumerate() {
+    for (rank, r) in hosts.torchrun(2, 29612, &cmd).iter().enumerate() {
         assert!(
             r.ok && r.stdout.contains(&format!("ok {rank}")),
             "rank {rank}:\n{}\n{}",
@@ -91,7 +69,7 @@ fn hierarchical_allreduce_across_two_hosts() {
         "env COLL_DEBUG=info {} allreduce -b 8 -e 64M -f 8 -c 1 --algo hierarchical",
         collbench()
     );
-    let runs = torchrun_style(&hosts, 4, 29613, &cmd);
+    let runs = hosts.torchrun(4, 29613, &cmd);
     for r in &runs[1..] {
         assert!(r.ok, "{}", r.stderr);
     }

@@ -8,7 +8,7 @@
 use std::path::Path;
 use std::time::Duration;
 
-use integration_tests::{run, Hosts, Run};
+use integration_tests::{run, Hosts};
 
 fn collbench() -> String {
     integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench")
@@ -31,28 +31,13 @@ fn times(table: &str, column: usize) -> Vec<(u64, f64)> {
 
 /// `per_host` ranks on each host, torchrun-style; rank 0's table.
 fn across(hosts: &Hosts, per_host: usize, port: u16, args: &str) -> String {
-    let size = per_host * hosts.names.len();
-    let job = |rank: usize| {
-        let cmd = format!(
-            "env RANK={rank} WORLD_SIZE={size} LOCAL_RANK={} MASTER_ADDR={} MASTER_PORT={port} {} allreduce -c 0 {args}",
-            rank % per_host,
-            hosts.ip(0),
-            collbench()
-        );
-        let args = hosts.exec_args(rank / per_host, &cmd);
-        move || -> Run {
-            let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            run(Path::new("ip"), &args, &[], Duration::from_secs(300))
-        }
-    };
-    let others: Vec<_> = (1..size).map(|r| std::thread::spawn(job(r))).collect();
-    let r0 = job(0)();
-    for o in others {
-        let r = o.join().unwrap();
+    let cmd = format!("{} allreduce -c 0 {args}", collbench());
+    let runs = hosts.torchrun(per_host, port, &cmd);
+    for r in &runs[1..] {
         assert!(r.ok, "{}", r.stderr);
     }
-    assert!(r0.ok, "{}\n{}", r0.stdout, r0.stderr);
-    r0.stdout
+    assert!(runs[0].ok, "{}\n{}", runs[0].stdout, runs[0].stderr);
+    runs[0].stdout.clone()
 }
 
 fn local(args: &str) -> String {

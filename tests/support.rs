@@ -167,6 +167,28 @@ impl Hosts {
         format!("10.77.0.{}", i + 1)
     }
 
+    /// Runs `cmd` as `per_host` ranks on each host, torchrun-style (RANK,
+    /// WORLD_SIZE, LOCAL_RANK, MASTER_ADDR on host 0); each rank's run, by rank.
+    pub fn torchrun(&self, per_host: usize, port: u16, cmd: &str) -> Vec<Run> {
+        let size = per_host * self.names.len();
+        let master = self.ip(0);
+        let job = |rank: usize| {
+            let cmd = format!(
+                "env RANK={rank} WORLD_SIZE={size} LOCAL_RANK={} MASTER_ADDR={master} MASTER_PORT={port} {cmd}",
+                rank % per_host
+            );
+            let args = self.exec_args(rank / per_host, &cmd);
+            move || {
+                let args: Vec<&str> = args.iter().map(String::as_str).collect();
+                run(Path::new("ip"), &args, &[], Duration::from_secs(300))
+            }
+        };
+        let others: Vec<_> = (1..size).map(|r| std::thread::spawn(job(r))).collect();
+        let mut runs = vec![job(0)()];
+        runs.extend(others.into_iter().map(|o| o.join().unwrap()));
+        runs
+    }
+
     fn create(&self) -> Result<(), String> {
         let ip = |args: &[&str]| -> Result<(), String> {
             let out = Command::new("ip")

@@ -1,7 +1,9 @@
 use super::*;
 
-fn find(c: Collective, name: &str) -> &'static Algorithm {
-    algo::find(c, name).unwrap()
+/// Predicted seconds for `name`'s call of `bytes` (f32, default pipeline).
+fn seconds(c: &Cluster, collective: Collective, name: &str, bytes: usize) -> f64 {
+    let algo = algo::find(collective, name).unwrap();
+    (simulate(c, algo, bytes, DataType::F32, Pipeline::default()).unwrap()).seconds
 }
 
 /// A cluster with one cost at a time: only latency, or only bandwidth.
@@ -30,20 +32,9 @@ fn ring_allreduce_moves_2_n_minus_1_over_n_of_the_buffer_per_link() {
     let bytes = 256 << 20;
     for n in [2, 4, 8] {
         let c = bare(n, 1);
-        let p = simulate(
-            &c,
-            find(Collective::AllReduce, "ring"),
-            bytes,
-            DataType::F32,
-            Pipeline::default(),
-        )
-        .unwrap();
+        let got = seconds(&c, Collective::AllReduce, "ring", bytes);
         let want = 2.0 * (n - 1) as f64 / n as f64 * bytes as f64 / c.link.bandwidth;
-        assert!(
-            close(p.seconds, want, 0.02),
-            "{n} ranks: {} s, model {want} s",
-            p.seconds
-        );
+        assert!(close(got, want, 0.02), "{n} ranks: {got} s, model {want} s");
     }
 }
 
@@ -56,17 +47,7 @@ fn latency_bound_calls_pay_their_algorithms_hop_counts() {
     // for the other 3.
     let mut c = bare(8, 1);
     c.link.latency = 1e-6;
-    let time = |name| {
-        simulate(
-            &c,
-            find(Collective::AllReduce, name),
-            8,
-            DataType::F32,
-            Pipeline::default(),
-        )
-        .unwrap()
-        .seconds
-    };
+    let time = |name| seconds(&c, Collective::AllReduce, name, 8);
     assert!(close(time("ring"), 15e-6, 0.01), "ring {}", time("ring"));
     assert!(
         close(time("direct"), 4e-6, 0.01),
@@ -84,20 +65,9 @@ fn a_hosts_ranks_share_its_nic() {
     // AllToAll, 2 hosts x 4 ranks: each NIC carries 16 blocks each way.
     let bytes = 64 << 20;
     let c = bare(8, 4);
-    let p = simulate(
-        &c,
-        find(Collective::AllToAll, "pairwise"),
-        bytes,
-        DataType::F32,
-        Pipeline::default(),
-    )
-    .unwrap();
+    let got = seconds(&c, Collective::AllToAll, "pairwise", bytes);
     let want = 16.0 * (bytes / 8) as f64 / c.link.bandwidth;
-    assert!(
-        close(p.seconds, want, 0.05),
-        "{} s, model {want} s",
-        p.seconds
-    );
+    assert!(close(got, want, 0.05), "{got} s, model {want} s");
 }
 
 #[test]
@@ -130,17 +100,7 @@ fn hierarchical_takes_fewer_hops_in_a_row_than_the_flat_ring() {
     // hierarchical one's pass 7 + 6 + 7.
     let c = Cluster::roce(32, 8);
     let bytes = 256 << 10;
-    let time = |name| {
-        simulate(
-            &c,
-            find(Collective::AllReduce, name),
-            bytes,
-            DataType::F32,
-            Pipeline::default(),
-        )
-        .unwrap()
-        .seconds
-    };
+    let time = |name| seconds(&c, Collective::AllReduce, name, bytes);
     let (ring, hier) = (time("ring"), time("hierarchical"));
     assert!(hier < ring, "hierarchical {hier} s, ring {ring} s");
 }
