@@ -15,7 +15,7 @@
 //! reduction of chunk k; local copies run once the first sends are out, so
 //! peers start reading while this rank copies its own block.
 
-use transport::Rank;
+use transport::{Rank, Tag};
 
 use crate::schedule::{Action, Kind, Schedule, Span, Step, StepId};
 
@@ -25,9 +25,14 @@ pub(crate) trait Effects {
     /// Names a posted transfer until it completes.
     type Token: Copy;
 
-    /// Posts `step`'s transfer: into staging slot `slot` for staged
-    /// receives, else on `step.span`.
-    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<Self::Token>;
+    /// Posts `step`'s transfer, tagged `tag` (`None`: the call's tag): into
+    /// staging slot `slot` for staged receives, else on `step.span`.
+    fn post(
+        &mut self,
+        step: &Step,
+        tag: Option<Tag>,
+        slot: Option<usize>,
+    ) -> transport::Result<Self::Token>;
 
     /// Whether the transfer `token` on the connection to `peer` completed.
     fn is_done(&mut self, peer: Rank, token: Self::Token) -> transport::Result<bool>;
@@ -182,7 +187,7 @@ impl<T: Copy> Execution<T> {
         self.chained.clear();
         for (id, step) in steps.iter().enumerate() {
             if matches!(step.kind, Kind::Local(..)) {
-                match step.after {
+                match step.after() {
                     Some(a) if matches!(steps[a].kind, Kind::Local(..)) => {
                         self.chained.push((a, id))
                     }
@@ -190,11 +195,11 @@ impl<T: Copy> Execution<T> {
                 }
                 continue;
             }
-            let qi = &mut self.queue_of[step.peer][usize::from(step.is_send())];
+            let qi = &mut self.queue_of[step.peer()][usize::from(step.is_send())];
             if *qi == usize::MAX {
                 *qi = self.queues.len();
                 self.queues.push(Queue {
-                    peer: step.peer,
+                    peer: step.peer(),
                     sends: step.is_send(),
                     start: 0,
                     len: 0,
@@ -214,7 +219,7 @@ impl<T: Copy> Execution<T> {
         self.order.resize(start, 0);
         for (id, step) in steps.iter().enumerate() {
             if !matches!(step.kind, Kind::Local(..)) {
-                let q = &mut self.queues[self.queue_of[step.peer][usize::from(step.is_send())]];
+                let q = &mut self.queues[self.queue_of[step.peer()][usize::from(step.is_send())]];
                 self.order[q.start + q.posted] = id;
                 q.posted += 1;
             }
@@ -289,7 +294,7 @@ impl<T: Copy> Execution<T> {
             let id = self.order[q.start + q.posted];
             let step = &sched.steps[id];
             let slot = match step.kind {
-                Kind::Send | Kind::Recv if self.done(step.after) => None,
+                Kind::Send | Kind::Recv if self.done(step.after()) => None,
                 Kind::Staged(_)
                     if !self.free_slots.is_empty()
                         && self.staged.get(self.next_staged) == Some(&id) =>
@@ -299,7 +304,7 @@ impl<T: Copy> Execution<T> {
                 }
                 _ => break,
             };
-            let token = fx.post(step, slot)?;
+            let token = fx.post(step, sched.tag_of(step), slot)?;
             self.state[id] = State::Posted(token, slot);
             self.queues[qi].posted += 1;
             moved = true;
@@ -324,7 +329,7 @@ impl<T: Copy> Execution<T> {
             let step = &sched.steps[id];
             match self.state[id] {
                 State::Posted(token, slot) => {
-                    if !fx.is_done(step.peer, token)? {
+                    if !fx.is_done(step.peer(), token)? {
                         break;
                     }
                     moved = true;
@@ -334,7 +339,7 @@ impl<T: Copy> Execution<T> {
                     }
                 }
                 State::Landed(slot) => {
-                    if !self.done(step.after) {
+                    if !self.done(step.after()) {
                         break;
                     }
                     let Kind::Staged(action) = step.kind else {
@@ -359,14 +364,14 @@ impl<T: Copy> Execution<T> {
         while i < self.locals.len() {
             let id = self.locals[i];
             let step = &sched.steps[id];
-            if !self.done(step.after) {
+            if !self.done(step.after()) {
                 i += 1;
                 continue;
             }
             let Kind::Local(action, from) = step.kind else {
                 unreachable!("only local steps")
             };
-            fx.apply(action, step.span, Source::Local(from));
+            fx.apply(action, step.span, Source::Local(sched.operand(from)));
             self.state[id] = State::Done;
             self.remaining -= 1;
             self.locals.remove(i);
@@ -377,6 +382,20 @@ impl<T: Copy> Execution<T> {
             ran = true;
         }
         ran
+    }
+
+    /// Asks the CPU to start loading what the next [`progress`](Self::progress)
+    /// step reads first (the simulator calls it for the rank it runs next:
+    /// with thousands of ranks those lines are never in cache).
+    pub fn prefetch(&self, sched: &Schedule) {
+        for q in &self.queues {
+            for k in [q.posted, q.done] {
+                if let Some(&id) = self.order.get(q.start + k).filter(|_| k < q.len) {
+                    prefetch(&sched.steps[id]);
+                    prefetch(&self.state[id]);
+                }
+            }
+        }
     }
 
     fn done(&self, step: Option<StepId>) -> bool {
@@ -400,6 +419,15 @@ impl<T: Copy> Execution<T> {
     }
 }
 
+fn prefetch<T>(p: &T) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch is a hint; it never faults or changes memory.
+    unsafe {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        _mm_prefetch::<_MM_HINT_T0>((p as *const T).cast());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -416,8 +444,13 @@ mod tests {
 
     impl Effects for Log {
         type Token = usize;
-        fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<usize> {
-            self.posted.push((step.peer, step.is_send(), slot));
+        fn post(
+            &mut self,
+            step: &Step,
+            _: Option<Tag>,
+            slot: Option<usize>,
+        ) -> transport::Result<usize> {
+            self.posted.push((step.peer(), step.is_send(), slot));
             self.pending.push((self.posted.len() - 1, self.round));
             Ok(self.posted.len() - 1)
         }
@@ -456,7 +489,7 @@ mod tests {
         // and a send that waits for the last reduction.
         let mut last = None;
         for k in 0..3 {
-            last = Some(s.recv_reduce(1, span(8 * k), None, false, last));
+            last = Some(s.recv_reduce(1, span(8 * k), false, false, last));
         }
         s.send(1, span(0), last);
         let mut e = Execution::default();

@@ -26,11 +26,12 @@ pub(crate) struct Span {
 }
 
 /// What happens to a receive that lands in a staging slot.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Action {
-    /// `span = with op slot` (or `span op= slot` without `with`), then divide
-    /// by the rank count if `finalize` and the reduction is an average.
-    Reduce { with: Option<Span>, finalize: bool },
+    /// `span = input op slot` (the same range of the input buffer) with
+    /// `with_input`, else `span op= slot`; then divide by the rank count if
+    /// `finalize` and the reduction is an average.
+    Reduce { with_input: bool, finalize: bool },
     /// `span = slot`.
     Copy,
 }
@@ -40,28 +41,41 @@ pub(crate) enum Kind {
     Send,
     Recv,
     Staged(Action),
-    /// An action on this rank's own data: `from` (an input span) instead of
-    /// a staging slot, once `after` is done.
-    Local(Action, Span),
+    /// An action on this rank's own data: the schedule's operand `.1` (see
+    /// [`Schedule::operand`]) instead of a staging slot, once `after` is done.
+    Local(Action, u32),
 }
 
-/// One step of a schedule.
+/// One step of a schedule, 48 bytes: a simulation of thousands of ranks
+/// holds every rank's steps, and the executor's cost per step is the cache
+/// lines it touches, so what is rare (a message's own tag, a local step's
+/// operand) lives in side tables of the [`Schedule`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Step {
-    pub peer: Rank,
-    pub kind: Kind,
     pub span: Span,
-    /// Must be done before this step touches `span`: before posting a send
-    /// or a direct receive, before applying a staged receive's action.
-    pub after: Option<StepId>,
-    /// The message's tag when it is not the call's (AllToAllv pairs and
-    /// point-to-point messages carry their own counts).
-    pub tag: Option<Tag>,
+    peer: u32,
+    /// [`NONE`] or a step id.
+    after: u32,
+    pub kind: Kind,
+    /// 0: the call's tag; else 1 + an index into [`Schedule::tags`].
+    tag: u32,
 }
+
+const NONE: u32 = u32::MAX;
 
 impl Step {
     pub fn is_send(&self) -> bool {
         matches!(self.kind, Kind::Send)
+    }
+
+    pub fn peer(&self) -> Rank {
+        self.peer as Rank
+    }
+
+    /// Must be done before this step touches `span`: before posting a send
+    /// or a direct receive, before applying a staged receive's action.
+    pub fn after(&self) -> Option<StepId> {
+        (self.after != NONE).then_some(self.after as StepId)
     }
 }
 
@@ -74,27 +88,53 @@ pub(crate) struct Schedule {
     /// Local copies `(from, to)`, done once the first steps are posted; no
     /// receive may target their spans.
     pub(crate) copies: Vec<(Span, Span)>,
-    /// The tag given to steps added from now on (`None`: the call's).
-    tag: Option<Tag>,
+    /// Tags of messages that carry their own (AllToAllv pairs and
+    /// point-to-point messages carry their own counts).
+    tags: Vec<Tag>,
+    /// The tag given to steps added from now on (see [`Step`]).
+    tag: u32,
+    /// The `from` spans of local steps.
+    operands: Vec<Span>,
     /// Bytes of [`Buf::Scratch`] the steps use.
     pub(crate) scratch: usize,
 }
 
 impl Schedule {
     fn push(&mut self, peer: Rank, kind: Kind, span: Span, after: Option<StepId>) -> StepId {
+        let id = self.steps.len();
+        assert!(
+            id < NONE as usize && peer < NONE as usize,
+            "schedule too large"
+        );
         self.steps.push(Step {
-            peer,
-            kind,
             span,
-            after,
+            peer: peer as u32,
+            after: after.map_or(NONE, |a| a as u32),
+            kind,
             tag: self.tag,
         });
-        self.steps.len() - 1
+        id
     }
 
     /// Steps added from now on carry `tag` instead of the call's.
     pub fn set_tag(&mut self, tag: Option<Tag>) {
-        self.tag = tag;
+        self.tag = match tag {
+            Some(t) => {
+                self.tags.push(t);
+                self.tags.len() as u32
+            }
+            None => 0,
+        };
+    }
+
+    /// `step`'s own tag, if it has one (else the call's).
+    pub fn tag_of(&self, step: &Step) -> Option<Tag> {
+        (step.tag != 0).then(|| self.tags[step.tag as usize - 1])
+    }
+
+    /// A local step's `from` span.
+    pub fn operand(&self, index: u32) -> Span {
+        self.operands[index as usize]
     }
 
     pub fn send(&mut self, peer: Rank, span: Span, after: Option<StepId>) -> StepId {
@@ -114,18 +154,16 @@ impl Schedule {
         &mut self,
         peer: Rank,
         span: Span,
-        with: Option<Span>,
+        with_input: bool,
         finalize: bool,
         after: Option<StepId>,
     ) -> StepId {
         debug_assert_eq!(span.buf, Buf::Output);
-        debug_assert!(with.is_none_or(|w| w.buf == Buf::Input && w.len == span.len));
-        self.push(
-            peer,
-            Kind::Staged(Action::Reduce { with, finalize }),
-            span,
-            after,
-        )
+        let action = Action::Reduce {
+            with_input,
+            finalize,
+        };
+        self.push(peer, Kind::Staged(action), span, after)
     }
 
     /// Apply `action` from this rank's `from` (any of its spans) to `span`
@@ -139,7 +177,9 @@ impl Schedule {
         after: Option<StepId>,
     ) -> StepId {
         debug_assert!(span.buf != Buf::Input && from.len == span.len);
-        self.push(me, Kind::Local(action, from), span, after)
+        self.operands.push(from);
+        let operand = (self.operands.len() - 1) as u32;
+        self.push(me, Kind::Local(action, operand), span, after)
     }
 
     /// Receive into a staging slot, then copy into `span` once `after` is done.
@@ -168,7 +208,7 @@ impl Schedule {
     pub fn send_peers(&self) -> Vec<Rank> {
         let mut p: Vec<Rank> = (self.steps.iter())
             .filter(|s| s.is_send())
-            .map(|s| s.peer)
+            .map(|s| s.peer())
             .collect();
         p.sort();
         p.dedup();
@@ -179,7 +219,12 @@ impl Schedule {
     pub fn clear(&mut self) {
         self.steps.clear();
         self.copies.clear();
-        self.tag = None;
+        self.tags.clear();
+        self.tag = 0;
+        self.operands.clear();
         self.scratch = 0;
     }
 }
+
+// The size the simulator's memory and the executor's cache misses scale with.
+const _: () = assert!(std::mem::size_of::<Step>() == 48);

@@ -84,7 +84,12 @@ pub(crate) struct Transfers<'a> {
 impl Effects for Transfers<'_> {
     type Token = Request;
 
-    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<Request> {
+    fn post(
+        &mut self,
+        step: &Step,
+        tag: Option<Tag>,
+        slot: Option<usize>,
+    ) -> transport::Result<Request> {
         let (mr, offset) = match slot {
             Some(slot) => {
                 if step.span.len > self.staging.slot_bytes {
@@ -98,8 +103,8 @@ impl Effects for Transfers<'_> {
             None => (&self.region(step.span.buf).mr, step.span.offset),
         };
         let mr = mr.clone();
-        let tag = step.tag.unwrap_or(self.tag);
-        let (peer, send, len) = (step.peer, step.is_send(), step.span.len);
+        let tag = tag.unwrap_or(self.tag);
+        let (peer, send, len) = (step.peer(), step.is_send(), step.span.len);
         self.recorder.stats.count_message(peer, send, len);
         let conn = connection(self.peers, peer)?;
         // SAFETY: the span or slot stays valid for the whole call (the
@@ -166,10 +171,19 @@ impl Transfers<'_> {
         let dst = self.span_mut(span);
         match action {
             Action::Copy => dst.copy_from_slice(src),
-            Action::Reduce { with, finalize } => {
-                match with {
-                    None => reduce::reduce_into(self.dtype, self.op, dst, src),
-                    Some(w) => reduce::reduce_to(self.dtype, self.op, dst, self.span(w), src),
+            Action::Reduce {
+                with_input,
+                finalize,
+            } => {
+                match with_input {
+                    false => reduce::reduce_into(self.dtype, self.op, dst, src),
+                    true => {
+                        let input = Span {
+                            buf: Buf::Input,
+                            ..span
+                        };
+                        reduce::reduce_to(self.dtype, self.op, dst, self.span(input), src)
+                    }
                 }
                 if finalize {
                     reduce::finalize(self.dtype, self.op, dst, self.nranks);

@@ -65,11 +65,7 @@ fn reduce(l: &Layout, s: &mut Schedule) {
         return;
     }
     for c in l.chunks(Buf::Output, l.all()) {
-        let with = (!l.in_place).then_some(Span {
-            buf: Buf::Input,
-            ..c
-        });
-        let reduced = s.recv_reduce(prev, c, with, pos == n - 1, None);
+        let reduced = s.recv_reduce(prev, c, !l.in_place, pos == n - 1, None);
         if pos < n - 1 {
             s.send(next, c, Some(reduced));
         }

@@ -33,14 +33,14 @@ fn build(l: &Layout, s: &mut Schedule) {
         for q in 0..n {
             let last = q == n - 1;
             let reduce = Action::Reduce {
-                with: None,
+                with_input: false,
                 finalize: last,
             };
             prev = Some(match (q == r, q == 0) {
                 (true, true) => s.local(r, Action::Copy, mine, c, None),
                 (true, false) => s.local(r, reduce, mine, c, prev),
                 (false, true) => s.recv_copy(q, c, None),
-                (false, false) => s.recv_reduce(q, c, None, last, prev),
+                (false, false) => s.recv_reduce(q, c, false, last, prev),
             });
         }
     }

@@ -171,11 +171,7 @@ fn build(l: &Layout, s: &mut Schedule) {
     if l.rank < 2 * plan.r {
         let with = !l.in_place;
         for c in grid(l, (0, whole.len)) {
-            let w = with.then_some(Span {
-                buf: Buf::Input,
-                ..c
-            });
-            let step = s.recv_reduce(l.rank - 1, c, w, false, None);
+            let step = s.recv_reduce(l.rank - 1, c, with, false, None);
             writes.record(c, step);
         }
         in_output = true;
@@ -214,10 +210,7 @@ fn halve(
         }
         last_sends.push(last);
         for c in grid(l, keep) {
-            let with = (!in_output && !l.in_place).then_some(Span {
-                buf: Buf::Input,
-                ..c
-            });
+            let with = !in_output && !l.in_place;
             let step = s.recv_reduce(partner, c, with, level == 1, writes.of(c));
             writes.record(c, step);
         }

@@ -119,9 +119,9 @@ fn tree_across(l: &Layout, s: &mut Schedule, across: &Ring, mine: Contribution) 
         for (k, &child) in children.iter().enumerate() {
             // The first reduction reads the input, or the output once phase 1 left it there.
             let (with, after) = match (k, mine.buf) {
-                (0, Buf::Input) => (Some(own), None),
-                (0, Buf::Output) => (None, mine.after),
-                _ => (None, reduced),
+                (0, Buf::Input) => (true, None),
+                (0, Buf::Output) => (false, mine.after),
+                _ => (false, reduced),
             };
             let finalize = parent.is_none() && k + 1 == children.len();
             reduced = Some(s.recv_reduce(child, c, with, finalize, after));

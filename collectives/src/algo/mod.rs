@@ -174,7 +174,7 @@ pub(crate) fn reduce_up(
     };
     let mut reduced: Option<StepId> = None;
     for (i, &child) in children.iter().enumerate() {
-        let with = (i == 0 && !l.in_place).then_some(mine);
+        let with = i == 0 && !l.in_place;
         let finalize = parent.is_none() && i == children.len() - 1;
         reduced = Some(s.recv_reduce(child, c, with, finalize, reduced));
     }

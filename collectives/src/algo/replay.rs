@@ -6,6 +6,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
+use transport::Tag;
+
 use super::{Algorithm, Layout};
 use crate::executor::{Effects, Execution, Progress, Source, Windows};
 use crate::schedule::{Action, Buf, Schedule, Span, Step};
@@ -69,11 +71,16 @@ impl Replay<'_> {
 impl Effects for Replay<'_> {
     type Token = usize;
 
-    fn post(&mut self, step: &Step, slot: Option<usize>) -> transport::Result<usize> {
+    fn post(
+        &mut self,
+        step: &Step,
+        _: Option<Tag>,
+        slot: Option<usize>,
+    ) -> transport::Result<usize> {
         let send = step.is_send();
         let key = match send {
-            true => (self.me, step.peer),
-            false => (step.peer, self.me),
+            true => (self.me, step.peer()),
+            false => (step.peer(), self.me),
         };
         let (mine, theirs) = match send {
             true => (&mut *self.sends, &mut *self.recvs),
@@ -140,8 +147,12 @@ impl Effects for Replay<'_> {
         };
         match action {
             Action::Copy => m.write(span).copy_from_slice(&operand),
-            Action::Reduce { with, .. } => {
-                let base = with.map(|w| m.read(w));
+            Action::Reduce { with_input, .. } => {
+                let input = Span {
+                    buf: Buf::Input,
+                    ..span
+                };
+                let base = with_input.then(|| m.read(input));
                 let out = m.write(span);
                 for (i, o) in out.iter_mut().enumerate() {
                     let acc = base.as_ref().map_or(*o, |b| b[i]);

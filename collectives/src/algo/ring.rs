@@ -178,11 +178,13 @@ pub(super) fn reduce_scatter_phase(
         prev_recvs = l
             .chunks(Buf::Output, recv_block)
             .map(|c| {
-                let with = with_input.then_some(Span {
-                    buf: Buf::Input,
-                    ..c
-                });
-                s.recv_reduce(ring.prev(), c, with, finalize && t == n - 2, mine.after)
+                s.recv_reduce(
+                    ring.prev(),
+                    c,
+                    with_input,
+                    finalize && t == n - 2,
+                    mine.after,
+                )
             })
             .collect();
         phase.last_recv = prev_recvs.last().copied().or(phase.last_recv);

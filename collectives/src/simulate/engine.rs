@@ -11,7 +11,7 @@ use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use transport::Rank;
+use transport::{Rank, Tag};
 
 use super::model::{Cluster, Link, Ports};
 use crate::executor::{Effects, Execution, Progress, Source, Windows};
@@ -103,6 +103,11 @@ pub(super) fn run(
     }
     let mut events = 0;
     while let Some(Reverse((at, rank))) = world.wakeups.pop() {
+        // The rank woken next: its next steps load while this one runs.
+        if let Some(Reverse((_, next))) = world.wakeups.peek() {
+            let m = &members[*next as usize];
+            m.exec.prefetch(&m.sched);
+        }
         let m = &mut members[rank as usize];
         if m.finished.is_some() {
             continue;
@@ -264,9 +269,9 @@ impl World<'_> {
 impl Effects for RankEffects<'_, '_> {
     type Token = u32;
 
-    fn post(&mut self, step: &Step, _slot: Option<usize>) -> transport::Result<u32> {
+    fn post(&mut self, step: &Step, _: Option<Tag>, _: Option<usize>) -> transport::Result<u32> {
         self.now += self.world.cluster.overhead;
-        let peer = step.peer as u32;
+        let peer = step.peer() as u32;
         let (src, dst) = match step.is_send() {
             true => (self.me, peer),
             false => (peer, self.me),
