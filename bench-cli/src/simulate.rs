@@ -113,7 +113,10 @@ pub fn run(a: &SimArgs) -> Result<(), String> {
                 Err(e) => return Err(e),
             }
         }
-        let (pick, why) = simulate::built_in_choice(&cluster, collective, size);
+        let rendezvous = cluster.rendezvous;
+        let (n, per_host) = (cluster.ranks, cluster.ranks_per_host);
+        let (pick, why) =
+            simulate::unprofiled_choice(n, per_host, rendezvous, collective, size, pipeline);
         let best = (predictions.iter())
             .min_by(|x, y| x.seconds.total_cmp(&y.seconds))
             .map(|p| p.algorithm);

@@ -1,13 +1,16 @@
 //! Which algorithm runs a call: forced by configuration, predicted fastest
-//! by the measured profile, or the built-in thresholds' pick; remembered per
-//! (collective, size), since calls repeat their sizes and a choice costs
-//! microseconds.
+//! by the measured profile, or (without one) the built-in thresholds' pick,
+//! which from [`algo::SCALE_MIN_RANKS`] ranks on asks the simulator;
+//! remembered per (collective, size), since calls repeat their sizes and a
+//! choice costs microseconds (a simulated one up to a second, once per
+//! power-of-two size).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use transport::Rank;
 
 use crate::algo::{self, Algorithm};
+use crate::simulate::{self, Cluster, Pipeline};
 use crate::tuning::{Profile, Setting};
 use crate::{Collective, Config, Error, Result};
 
@@ -27,7 +30,13 @@ pub(crate) struct Selector {
     choices: Vec<(Collective, usize, &'static Algorithm, Arc<str>)>,
     /// (collective, algorithm) pairs whose choice has been logged.
     announced: Vec<(Collective, &'static str)>,
+    /// Choices without a profile, and why.
+    unprofiled: Mutex<Vec<(Unprofiled, &'static Algorithm, Arc<str>)>>,
 }
+
+/// A choice without a profile holds for a collective, a size rounded up to a
+/// power of two, and a pipeline.
+type Unprofiled = (Collective, usize, Pipeline);
 
 impl Selector {
     pub fn new(rank: Rank, hosts: Vec<Vec<Rank>>, setting: Setting) -> Self {
@@ -40,6 +49,7 @@ impl Selector {
             profile,
             choices: Vec::new(),
             announced: Vec::new(),
+            unprofiled: Mutex::default(),
         }
     }
 
@@ -92,11 +102,12 @@ impl Selector {
                     ),
                 });
         }
-        let (built_in, why) = algo::select(collective, bytes, self.size, &self.hosts);
         let setting = &self.setting;
         let Some((best, us)) = self.profile.best(collective, setting, bytes) else {
-            return Ok((built_in, why.to_string()));
+            let (algo, why) = self.unprofiled(config, collective, bytes);
+            return Ok((algo, why.to_string()));
         };
+        let (built_in, why) = algo::select(collective, bytes, self.size, &self.hosts);
         // The profile overrides the built-in choice only for a predicted gain
         // above measurement noise (one tuning run on a busy host is not exact).
         let built_in_us = (self.profile)
@@ -115,6 +126,37 @@ impl Selector {
                 format!("{why} (the measured profile agrees within {:.0}%)", (PROFILE_MARGIN - 1.0) * 100.0),
             )),
         }
+    }
+
+    /// The choice without a profile: the built-in thresholds, or on many
+    /// ranks numbered host by host (as the simulator numbers them) the
+    /// simulator's ([`simulate::unprofiled_choice`]), once per power of two.
+    fn unprofiled(
+        &self,
+        config: &Config,
+        collective: Collective,
+        bytes: usize,
+    ) -> (&'static Algorithm, Arc<str>) {
+        let (n, per_host) = (self.size, self.setting.per_host);
+        if n < algo::SCALE_MIN_RANKS || Cluster::roce(n, per_host).host_ranks() != self.hosts {
+            let (algo, why) = algo::select(collective, bytes, n, &self.hosts);
+            return (algo, why.into());
+        }
+        let pipeline = Pipeline {
+            chunk: config.chunk_bytes,
+            depth: config.depth,
+        };
+        let key = (collective, bytes.next_power_of_two(), pipeline);
+        let mut memo = self.unprofiled.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = memo.iter().find(|m| m.0 == key) {
+            return (m.1, m.2.clone());
+        }
+        let rendezvous = !self.setting.transport.contains("tcp");
+        let (algo, why) =
+            simulate::unprofiled_choice(n, per_host, rendezvous, collective, bytes, pipeline);
+        let why: Arc<str> = why.into();
+        memo.push((key, algo, why.clone()));
+        (algo, why)
     }
 
     fn announce(

@@ -228,8 +228,9 @@ pub const HIERARCHICAL_MIN_BYTES: usize = 512 << 10;
 /// to 256 KiB (shared memory, 2 cores); at 4 it never beat both.
 pub const TREE_MIN_RANKS: usize = 8;
 pub const TREE_MAX_BYTES: usize = 512 << 10;
-/// From this many ranks on (more than were measured here), AllReduces are
-/// chosen by [`at_scale`], from the simulator's predictions.
+/// From this many ranks on (more than were measured here), a communicator
+/// without a profile asks the simulator (`simulate::choice`), and AllReduces
+/// too large to simulate then are chosen by [`at_scale`], a table read off it.
 pub const SCALE_MIN_RANKS: usize = 17;
 
 /// AllToAlls on [`SCALE_MIN_RANKS`] or more with blocks (per peer) up to

@@ -25,7 +25,17 @@ use crate::{Collective, DataType};
 /// is in memory, about [`BYTES_PER_STEP`] each with its executor state): a
 /// 4096-rank ring AllReduce has 67 million.
 pub const MAX_STEPS: usize = 100_000_000;
-const BYTES_PER_STEP: usize = 180;
+const BYTES_PER_STEP: usize = 85;
+/// The most steps the selector simulates to choose (about 90 MB, under a
+/// second, once per collective and power-of-two size): at 4096 ranks that
+/// covers Rabenseifner, the trees and hierarchical up to a few MiB, not the
+/// ring or direct, which the table then stands in for.
+pub const CHOICE_MAX_STEPS: usize = 1 << 20;
+/// And the most steps times queues per rank: the executor looks at each of
+/// a rank's queues (one per peer and direction) whenever it runs, so direct
+/// on 512 ranks (1022 queues) takes 8 s to simulate at 1 MiB where the ring
+/// (2 queues) with twice the steps takes 0.3 s.
+pub const CHOICE_MAX_WORK: usize = 16 << 20;
 
 /// How a call is cut and pipelined: the communicator's `COLL_CHUNK` and
 /// `COLL_DEPTH`.
@@ -95,21 +105,10 @@ pub fn simulate_reporting(
     }
     let started = Instant::now();
     let n = cluster.ranks;
-    let mut count = bytes / dtype.size();
-    if collective.blocks() {
-        count = count / n * n;
-    }
+    let count = elements(cluster, collective, bytes, dtype);
     let hosts = cluster.host_ranks();
-    let steps = |rank| {
-        let mut sched = Schedule::default();
-        (algorithm.build)(
-            &layout(collective, rank, n, count, dtype, pipeline, &hosts),
-            &mut sched,
-        );
-        sched.len()
-    };
     // Every rank's schedule is held at once: refuse what would not fit.
-    let estimate = steps(0).max(steps(n - 1)).saturating_mul(n);
+    let estimate = footprint(cluster, algorithm, bytes, dtype, pipeline).steps;
     if estimate > MAX_STEPS {
         return Err(format!(
             "{} {} on {n} ranks at {bytes} B would hold about {estimate} schedule steps \
@@ -148,6 +147,62 @@ pub fn simulate_reporting(
     })
 }
 
+/// The elements of a call of `bytes` per rank: whole elements, and whole
+/// blocks for collectives that cut the buffer into one block per rank.
+fn elements(cluster: &Cluster, collective: Collective, bytes: usize, dtype: DataType) -> usize {
+    let count = bytes / dtype.size();
+    match collective.blocks() {
+        true => count / cluster.ranks * cluster.ranks,
+        false => count,
+    }
+}
+
+/// How large a simulation is, from the first and the last rank's schedules
+/// (the larger).
+#[derive(Clone, Copy, Debug)]
+pub struct Footprint {
+    /// Steps of every rank together.
+    pub steps: usize,
+    /// Queues (peers and directions) of one rank.
+    pub queues: usize,
+}
+
+pub fn footprint(
+    cluster: &Cluster,
+    algorithm: &'static Algorithm,
+    bytes: usize,
+    dtype: DataType,
+    pipeline: Pipeline,
+) -> Footprint {
+    let (n, hosts) = (cluster.ranks, cluster.host_ranks());
+    let count = elements(cluster, algorithm.collective, bytes, dtype);
+    let of = |rank| {
+        let mut sched = Schedule::default();
+        let l = layout(
+            algorithm.collective,
+            rank,
+            n,
+            count,
+            dtype,
+            pipeline,
+            &hosts,
+        );
+        (algorithm.build)(&l, &mut sched);
+        let mut queues: Vec<_> = (sched.steps.iter())
+            .filter(|s| !matches!(s.kind, crate::schedule::Kind::Local(..)))
+            .map(|s| (s.peer(), s.is_send()))
+            .collect();
+        queues.sort_unstable();
+        queues.dedup();
+        (sched.len(), queues.len())
+    };
+    let ((s0, q0), (s1, q1)) = (of(0), of(n - 1));
+    Footprint {
+        steps: s0.max(s1).saturating_mul(n),
+        queues: q0.max(q1),
+    }
+}
+
 fn layout<'h>(
     collective: Collective,
     rank: usize,
@@ -169,18 +224,74 @@ fn layout<'h>(
     )
 }
 
-/// The algorithm the built-in thresholds pick for this call on `cluster`,
-/// and why.
-pub fn built_in_choice(
+/// What a communicator of `ranks` ranks, numbered host by host with
+/// `per_host` on each, without a measured profile, picks for a call of
+/// `bytes`, and why: [`choice`] on [`Cluster::roce`] of that shape (over TCP
+/// without the verbs rendezvous) at the next power of two of `bytes`, so
+/// that a size's neighbours share one simulation.
+pub fn unprofiled_choice(
+    ranks: usize,
+    per_host: usize,
+    rendezvous: bool,
+    collective: Collective,
+    bytes: usize,
+    pipeline: Pipeline,
+) -> (&'static Algorithm, String) {
+    let cluster = Cluster {
+        rendezvous,
+        ..Cluster::roce(ranks, per_host)
+    };
+    let size = bytes.next_power_of_two();
+    let (algo, why) = choice(&cluster, collective, size, pipeline);
+    match size == bytes {
+        true => (algo, why),
+        false => (algo, format!("{why} (at {size} B)")),
+    }
+}
+
+/// What a communicator without a measured profile picks for a call of
+/// `bytes` on `cluster`, and why: from [`algo::SCALE_MIN_RANKS`] ranks on
+/// (beyond anything measured here), the AllReduce or AllToAll algorithm the
+/// simulator predicts fastest, among those whose simulation stays within
+/// [`CHOICE_MAX_STEPS`] and at least two of them; else the built-in
+/// thresholds. Deterministic: every rank picks the same.
+pub fn choice(
     cluster: &Cluster,
     collective: Collective,
     bytes: usize,
-) -> (&'static Algorithm, &'static str) {
-    algo::select(collective, bytes, cluster.ranks, &cluster.host_ranks())
+    pipeline: Pipeline,
+) -> (&'static Algorithm, String) {
+    let (table, why) = algo::select(collective, bytes, cluster.ranks, &cluster.host_ranks());
+    let modelled = matches!(collective, Collective::AllReduce | Collective::AllToAll);
+    if cluster.ranks < algo::SCALE_MIN_RANKS || !modelled {
+        return (table, why.to_string());
+    }
+    // Every rank sends most of its bytes in chunks: no schedule is smaller,
+    // so none would fit (and building one to count would cost the memory).
+    if bytes.div_ceil(pipeline.chunk).saturating_mul(cluster.ranks) > CHOICE_MAX_STEPS {
+        return (table, format!("{why} (too large to simulate here)"));
+    }
+    match fastest(cluster, collective, bytes, DataType::F32, pipeline) {
+        Ok(p) if p.len() >= 2 => {
+            let a = algo::find(collective, p[0].algorithm).expect("registered");
+            let us = |p: &Prediction| p.seconds * 1e6;
+            let why = format!(
+                "the simulator's pick on {} ranks, {} per host: {:.1} us predicted, {} {:.1} us",
+                cluster.ranks,
+                cluster.ranks_per_host,
+                us(&p[0]),
+                p[1].algorithm,
+                us(&p[1])
+            );
+            (a, why)
+        }
+        _ => (table, format!("{why} (too large to simulate here)")),
+    }
 }
 
-/// Every algorithm of `collective` that runs as itself on `cluster`, each
-/// simulated; the fastest first.
+/// The algorithms of `collective` that run as themselves on `cluster` and
+/// whose simulation stays within [`CHOICE_MAX_STEPS`] and
+/// [`CHOICE_MAX_WORK`], each simulated; the fastest first.
 pub fn fastest(
     cluster: &Cluster,
     collective: Collective,
@@ -191,6 +302,10 @@ pub fn fastest(
     let hosts = cluster.host_ranks();
     let mut all = (algo::ALGORITHMS.iter())
         .filter(|a| a.collective == collective && algo::fits(a.name, &hosts))
+        .filter(|a| {
+            let f = footprint(cluster, a, bytes, dtype, pipeline);
+            f.steps <= CHOICE_MAX_STEPS && f.steps.saturating_mul(f.queues) <= CHOICE_MAX_WORK
+        })
         .map(|a| simulate(cluster, a, bytes, dtype, pipeline))
         .collect::<Result<Vec<_>, _>>()?;
     all.sort_by(|a, b| a.seconds.total_cmp(&b.seconds));

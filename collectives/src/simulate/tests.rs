@@ -104,3 +104,41 @@ fn hierarchical_takes_fewer_hops_in_a_row_than_the_flat_ring() {
     let (ring, hier) = (time("ring"), time("hierarchical"));
     assert!(hier < ring, "hierarchical {hier} s, ring {ring} s");
 }
+
+#[test]
+fn without_a_profile_many_ranks_get_the_simulators_fastest() {
+    let pipeline = Pipeline::default();
+    let pick = |ranks, bytes| {
+        let (a, why) = unprofiled_choice(ranks, 8, true, Collective::AllReduce, bytes, pipeline);
+        (a.name, why)
+    };
+    // Where the table read off the simulator missed: the ring at 64 ranks
+    // and 256 MiB (by 19%), Rabenseifner at 512 ranks and 1 MiB (by 12%).
+    let (name, why) = pick(64, 256 << 20);
+    assert_eq!(name, "ring", "{why}");
+    assert!(why.contains("simulator's pick on 64 ranks"), "{why}");
+    assert_eq!(pick(512, 1 << 20).0, "rabenseifner");
+    // A size between powers of two is simulated at the next one.
+    assert!(pick(64, 3 << 20).1.contains("(at 4194304 B)"));
+    // Fewer ranks than [`algo::SCALE_MIN_RANKS`]: the measured thresholds.
+    let (a, _) = algo::select(
+        Collective::AllReduce,
+        8,
+        16,
+        &Cluster::roce(16, 8).host_ranks(),
+    );
+    assert_eq!(pick(16, 8).0, a.name);
+    // Too large to simulate while choosing: the table, saying so.
+    let (name, why) = pick(4096, 1 << 30);
+    assert!(why.contains("too large to simulate"), "{why}");
+    let table = algo::select(
+        Collective::AllReduce,
+        1 << 30,
+        4096,
+        &Cluster::roce(4096, 8).host_ranks(),
+    );
+    assert_eq!(name, table.0.name);
+    // AllToAll on many ranks: Bruck for tiny blocks, as the table says.
+    let (a, _) = unprofiled_choice(512, 8, true, Collective::AllToAll, 8 << 10, pipeline);
+    assert_eq!(a.name, "bruck");
+}
