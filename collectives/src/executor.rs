@@ -92,9 +92,11 @@ pub(crate) struct Waiting {
 #[derive(Clone, Copy, Debug)]
 enum State<T> {
     Waiting,
-    Posted(T, Option<usize>),
+    /// With its staging slot, if staged (u32: a step's state is held for
+    /// every step of a simulation of thousands of ranks).
+    Posted(T, Option<u32>),
     /// A staged receive that completed; its action waits for `after`.
-    Landed(usize),
+    Landed(u32),
     Done,
 }
 
@@ -115,7 +117,7 @@ struct Queue {
 pub(crate) struct Execution<T> {
     queues: Vec<Queue>,
     /// Step ids grouped by queue (a counting sort of the schedule).
-    order: Vec<StepId>,
+    order: Vec<u32>,
     /// Per rank, its send and receive queue's index (`usize::MAX`: none).
     queue_of: Vec<[usize; 2]>,
     /// Local steps that may run once their `after` is done, in schedule order.
@@ -220,7 +222,7 @@ impl<T: Copy> Execution<T> {
         for (id, step) in steps.iter().enumerate() {
             if !matches!(step.kind, Kind::Local(..)) {
                 let q = &mut self.queues[self.queue_of[step.peer()][usize::from(step.is_send())]];
-                self.order[q.start + q.posted] = id;
+                self.order[q.start + q.posted] = id as u32;
                 q.posted += 1;
             }
         }
@@ -291,7 +293,7 @@ impl<T: Copy> Execution<T> {
             if q.posted == q.len || q.posted - q.done >= window {
                 break;
             }
-            let id = self.order[q.start + q.posted];
+            let id = self.order[q.start + q.posted] as StepId;
             let step = &sched.steps[id];
             let slot = match step.kind {
                 Kind::Send | Kind::Recv if self.done(step.after()) => None,
@@ -305,7 +307,7 @@ impl<T: Copy> Execution<T> {
                 _ => break,
             };
             let token = fx.post(step, sched.tag_of(step), slot)?;
-            self.state[id] = State::Posted(token, slot);
+            self.state[id] = State::Posted(token, slot.map(|s| s as u32));
             self.queues[qi].posted += 1;
             moved = true;
         }
@@ -325,7 +327,7 @@ impl<T: Copy> Execution<T> {
             if q.done == q.posted {
                 break;
             }
-            let id = self.order[q.start + q.done];
+            let id = self.order[q.start + q.done] as StepId;
             let step = &sched.steps[id];
             match self.state[id] {
                 State::Posted(token, slot) => {
@@ -345,8 +347,8 @@ impl<T: Copy> Execution<T> {
                     let Kind::Staged(action) = step.kind else {
                         unreachable!("only staged receives land")
                     };
-                    fx.apply(action, step.span, Source::Slot(slot));
-                    self.free_slots.push(slot);
+                    fx.apply(action, step.span, Source::Slot(slot as usize));
+                    self.free_slots.push(slot as usize);
                 }
                 State::Waiting | State::Done => unreachable!("queue cursor out of step"),
             }
@@ -387,12 +389,25 @@ impl<T: Copy> Execution<T> {
     /// Asks the CPU to start loading what the next [`progress`](Self::progress)
     /// step reads first (the simulator calls it for the rank it runs next:
     /// with thousands of ranks those lines are never in cache).
-    pub fn prefetch(&self, sched: &Schedule) {
-        for q in &self.queues {
-            for k in [q.posted, q.done] {
-                if let Some(&id) = self.order.get(q.start + k).filter(|_| k < q.len) {
-                    prefetch(&sched.steps[id]);
-                    prefetch(&self.state[id]);
+    /// Asks the CPU to start loading what the next [`progress`](Self::progress)
+    /// step reads first, for a rank that runs soon (the simulator's: with
+    /// thousands of ranks, those lines are never in cache). Three stages,
+    /// each reading only what the one before loaded: 0, the queues'
+    /// cursors; 1, the step ids at the cursors; 2, those steps and states.
+    pub fn prefetch(&self, sched: &Schedule, stage: u8) {
+        for q in self.queues.iter().take(2) {
+            if stage == 0 {
+                prefetch(q);
+                continue;
+            }
+            for k in [q.posted, q.done].into_iter().filter(|&k| k < q.len) {
+                let at = &self.order[q.start + k];
+                match stage {
+                    1 => prefetch(at),
+                    _ => {
+                        prefetch(&sched.steps[*at as usize]);
+                        prefetch(&self.state[*at as usize]);
+                    }
                 }
             }
         }
@@ -408,7 +423,7 @@ impl<T: Copy> Execution<T> {
         let q = (self.queues.iter())
             .filter(|q| q.done < q.len)
             .min_by_key(|q| q.sends)?;
-        let step = &sched.steps[self.order[q.start + q.done]];
+        let step = &sched.steps[self.order[q.start + q.done] as StepId];
         Some(Waiting {
             peer: q.peer,
             send: q.sends,
