@@ -122,7 +122,7 @@ pub fn free_port() -> u16 {
 }
 
 /// Network namespaces standing in for hosts: `count` namespaces joined by a
-/// bridge-less star of veth pairs to the first, addresses 10.77.0.(i+1)/24,
+/// bridge in the first (veth pairs to it), addresses 10.77.0.(i+1)/24,
 /// each with its own /etc/hosts (so names resolve) and, for launchers, an
 /// "ssh" agent that enters a namespace under its name as hostname. Removed
 /// again on drop.
@@ -219,45 +219,27 @@ impl Hosts {
             std::fs::create_dir_all(&dir).map_err(|e| format!("{dir}: {e}"))?;
             std::fs::write(format!("{dir}/hosts"), &hosts_file)
                 .map_err(|e| format!("{dir}/hosts: {e}"))?;
+            // Host 0 holds the switch: a bridge carrying its own address,
+            // and one veth pair to each other host (so any two hosts talk
+            // directly, as on a switched network).
+            let bridge = format!("b{}", self.tag);
+            let with_cidr = format!("{}/24", self.ip(i));
             if i == 0 {
+                ip(&["-n", name, "link", "add", &bridge, "type", "bridge"])?;
+                ip(&["-n", name, "addr", "add", &with_cidr, "dev", &bridge])?;
+                ip(&["-n", name, "link", "set", &bridge, "up"])?;
                 continue;
             }
-            // A veth pair from host 0 to host i, addressed as /32 routes.
             // Named from the whole tag: interface names hold 15 bytes.
             let (a, b) = (format!("v{}a{i}", self.tag), format!("v{}b{i}", self.tag));
+            let host0 = &self.names[0];
             ip(&["link", "add", &a, "type", "veth", "peer", "name", &b])?;
-            ip(&["link", "set", &a, "netns", &self.names[0]])?;
+            ip(&["link", "set", &a, "netns", host0])?;
             ip(&["link", "set", &b, "netns", name])?;
-            ip(&[
-                "-n",
-                &self.names[0],
-                "addr",
-                "add",
-                &format!("{}/32", self.ip(0)),
-                "dev",
-                &a,
-            ])?;
-            ip(&[
-                "-n",
-                name,
-                "addr",
-                "add",
-                &format!("{}/32", self.ip(i)),
-                "dev",
-                &b,
-            ])?;
-            ip(&["-n", &self.names[0], "link", "set", &a, "up"])?;
+            ip(&["-n", host0, "link", "set", &a, "master", &bridge])?;
+            ip(&["-n", name, "addr", "add", &with_cidr, "dev", &b])?;
+            ip(&["-n", host0, "link", "set", &a, "up"])?;
             ip(&["-n", name, "link", "set", &b, "up"])?;
-            ip(&["-n", &self.names[0], "route", "add", &self.ip(i), "dev", &a])?;
-            ip(&[
-                "-n",
-                name,
-                "route",
-                "add",
-                &format!("{}/24", "10.77.0.0"),
-                "dev",
-                &b,
-            ])?;
         }
         let agent = "#!/bin/sh\n# ssh stand-in: [ssh options] HOST COMMAND... runs COMMAND in namespace HOST, hostname HOST\n\
                      while [ \"${1#-}\" != \"$1\" ]; do shift; done\nhost=$1; shift\n\
