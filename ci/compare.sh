@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Side by side on this machine: collbench against Open MPI (Debian's
 # openmpi-bin, its default shared-memory path, driven by ci/mpibench.c with
-# collbench's own sizes, iteration rules, busbw definitions and checks) and,
-# when torch is importable, torch.distributed's Gloo backend
-# (ci/gloo_bench.py). Runs are interleaved (ours, MPI, Gloo, repeat) so
-# machine noise hits all alike; the table shows medians and ratios, and
+# collbench's own sizes, iteration rules, busbw definitions and checks: every
+# collective against its MPI_* counterpart) and, when torch is importable,
+# torch.distributed's Gloo backend (ci/gloo_bench.py; allreduce, alltoall).
+# Runs are interleaved (ours, MPI, Gloo, repeat) so machine noise hits all
+# alike; the table shows medians and ratios, and
 # target/compare/<collective>.svg charts them (collbench plot).
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
-#                 [--collectives "allreduce alltoall"]
+#                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
 #
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" collectives="allreduce alltoall"
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M"
+collectives="allreduce alltoall reducescatter allgather broadcast reduce"
 while [ $# -gt 0 ]; do
   case "$1" in
     --reps) reps=$2; shift 2 ;;
@@ -68,7 +70,7 @@ for rep in $(seq "$reps"); do
       echo "compare.sh: repetition $rep/$reps, $coll, $n ranks" >&2
       target/release/collbench "$coll" -n "$n" --size "$list" -c 1 --json "$results/ours-$coll-$n-$rep.json" >/dev/null
       mpirun.openmpi -n "$n" "$out/mpibench" "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
-      if [ $gloo = 1 ]; then
+      if [ $gloo = 1 ] && { [ "$coll" = allreduce ] || [ "$coll" = alltoall ]; }; then
         "$python" ci/gloo_bench.py "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
       fi
     done

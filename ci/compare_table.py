@@ -50,7 +50,7 @@ def main(d):
 
     keys = sorted({(c, n, s) for (c, n, s, _, _) in res})
     have_gloo = any(k[3] == "gloo" for k in res)
-    head = f"{'collective':<10} {'n':>2} {'size':>8} {'mode':<6} {'metric':<9} {'ours':>9} {'Open MPI':>9} {'ratio':>6}"
+    head = f"{'collective':<13} {'n':>2} {'size':>8} {'mode':<6} {'metric':<9} {'ours':>9} {'Open MPI':>9} {'ratio':>6}"
     if have_gloo:
         head += f" {'Gloo':>9} {'ratio':>6}"
     print(head)
@@ -74,7 +74,7 @@ def main(d):
                 return f"{theirs / ours:.2f}" if latency else f"{ours / theirs:.2f}"
 
             mpi = med((coll, n, size, "mpi", mode), i)
-            row = f"{coll:<10} {n:>2} {human(size):>8} {short:<6} {metric:<9} {med(ours_key, i):>9.2f} "
+            row = f"{coll:<13} {n:>2} {human(size):>8} {short:<6} {metric:<9} {med(ours_key, i):>9.2f} "
             row += f"{mpi:>9.2f} {ratio(mpi):>6}" if mpi is not None else f"{'-':>9} {'-':>6}"
             if have_gloo:
                 g = med((coll, n, size, "gloo", mode), i)

@@ -1,13 +1,15 @@
 /*
  * mpibench: the MPI side of ci/compare.sh. Measures MPI_Allreduce (float,
- * sum) or MPI_Alltoall with collbench's rules, so the two compare directly:
+ * sum), MPI_Alltoall, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast or
+ * MPI_Reduce (root 0) with collbench's rules, so the two compare directly:
  * same sizes, same iteration counts (1000 up to 64 KiB, 20 up to 64 MiB,
  * fewer above; warmup 100, 5, then 0 as the check warms), time = mean per call, maximum over
- * ranks, busbw = algbw x 2(n-1)/n (allreduce) or (n-1)/n (alltoall), and
+ * ranks, busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (alltoall,
+ * reducescatter, allgather) or 1 (broadcast, reduce), and
  * every result element checked before timing. Prints one line per size:
  *   size count oop_time_us oop_busbw_gbs oop_wrong ip_time_us ip_busbw_gbs ip_wrong
  *
- * mpibench allreduce|alltoall SIZE [SIZE...]   (sizes in bytes)
+ * mpibench COLLECTIVE SIZE [SIZE...]   (sizes in bytes)
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -33,27 +35,55 @@ static void iterations(size_t bytes, int *iters, int *warmup) {
     }
 }
 
-static void call(int alltoall, float *send, float *recv, size_t count, int in_place) {
-    if (alltoall) {
-        int block = (int)(count / nranks);
-        MPI_Alltoall(in_place ? MPI_IN_PLACE : send, block, MPI_FLOAT, recv, block, MPI_FLOAT, MPI_COMM_WORLD);
-    } else {
-        MPI_Allreduce(in_place ? MPI_IN_PLACE : send, recv, (int)count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+enum coll { ALLREDUCE, ALLTOALL, REDUCESCATTER, ALLGATHER, BROADCAST, REDUCE };
+static const char *names[] = {"allreduce", "alltoall", "reducescatter", "allgather", "broadcast", "reduce"};
+
+/* collbench's sizes: `count` is the larger buffer's (the input of
+ * reducescatter, the output of allgather); root 0; in place, the data
+ * starts and ends in `recv` (MPI_IN_PLACE; broadcast is always in place). */
+static void call(enum coll c, float *send, float *recv, size_t count, int in_place) {
+    int block = (int)(count / nranks), n = (int)count;
+    void *in = in_place ? MPI_IN_PLACE : send;
+    switch (c) {
+    case ALLREDUCE: MPI_Allreduce(in, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+    case ALLTOALL: MPI_Alltoall(in, block, MPI_FLOAT, recv, block, MPI_FLOAT, MPI_COMM_WORLD); break;
+    case REDUCESCATTER: MPI_Reduce_scatter_block(in, recv, block, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
+    case ALLGATHER: MPI_Allgather(in, block, MPI_FLOAT, recv, block, MPI_FLOAT, MPI_COMM_WORLD); break;
+    case BROADCAST: MPI_Bcast(recv, n, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
+    case REDUCE:
+        MPI_Reduce(in_place && rank != 0 ? recv : in, recv, n, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD);
+        break;
     }
 }
 
-static long check(int alltoall, float *send, float *recv, size_t count, int in_place) {
+/* The sum over ranks of input(r, i). */
+static float sum(size_t i) { return (float)(nranks * ((int)(i % 7) - 3) + nranks * (nranks - 1) / 2); }
+
+static long check(enum coll c, float *send, float *recv, size_t count, int in_place) {
+    size_t block = count / nranks, len = count;
     float *in = in_place ? recv : send;
-    for (size_t i = 0; i < count; i++) in[i] = input(rank, i);
-    call(alltoall, send, recv, count, in_place);
+    memset(recv, 0, count * sizeof(float));
+    if (c == ALLGATHER) {
+        /* In place, this rank's block already sits at its place in the output. */
+        float *own = in_place ? recv + rank * block : send;
+        for (size_t i = 0; i < block; i++) own[i] = input(rank, i);
+    } else if (c == BROADCAST) {
+        for (size_t i = 0; rank == 0 && i < count; i++) recv[i] = input(0, i);
+    } else {
+        for (size_t i = 0; i < count; i++) in[i] = input(rank, i);
+    }
+    call(c, send, recv, count, in_place);
+    if (c == REDUCESCATTER) len = block;
+    if (c == REDUCE && rank != 0) len = 0;
     long wrong = 0;
-    size_t block = count / nranks;
-    for (size_t i = 0; i < count; i++) {
+    for (size_t i = 0; i < len; i++) {
         float want;
-        if (alltoall) {
-            want = input((int)(i / block), rank * block + i % block);
-        } else {
-            want = (float)(nranks * ((int)(i % 7) - 3) + nranks * (nranks - 1) / 2);
+        switch (c) {
+        case ALLTOALL: want = input((int)(i / block), rank * block + i % block); break;
+        case REDUCESCATTER: want = sum(rank * block + i); break;
+        case ALLGATHER: want = input((int)(i / block), i % block); break;
+        case BROADCAST: want = input(0, i); break;
+        default: want = sum(i); break;
         }
         wrong += recv[i] != want;
     }
@@ -62,13 +92,13 @@ static long check(int alltoall, float *send, float *recv, size_t count, int in_p
     return total;
 }
 
-static double measure(int alltoall, float *send, float *recv, size_t count, int in_place) {
+static double measure(enum coll c, float *send, float *recv, size_t count, int in_place) {
     int iters, warmup;
     iterations(count * sizeof(float), &iters, &warmup);
-    for (int i = 0; i < warmup; i++) call(alltoall, send, recv, count, in_place);
+    for (int i = 0; i < warmup; i++) call(c, send, recv, count, in_place);
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
-    for (int i = 0; i < iters; i++) call(alltoall, send, recv, count, in_place);
+    for (int i = 0; i < iters; i++) call(c, send, recv, count, in_place);
     double t = (MPI_Wtime() - t0) / iters, worst;
     MPI_Allreduce(&t, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
     return worst;
@@ -78,12 +108,15 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &nranks);
-    if (argc < 3 || (strcmp(argv[1], "allreduce") && strcmp(argv[1], "alltoall"))) {
-        if (rank == 0) fprintf(stderr, "usage: mpibench allreduce|alltoall SIZE...\n");
+    int c = -1;
+    for (int k = 0; argc >= 3 && k < 6; k++)
+        if (!strcmp(argv[1], names[k])) c = k;
+    if (c < 0) {
+        if (rank == 0) fprintf(stderr, "usage: mpibench allreduce|alltoall|reducescatter|allgather|broadcast|reduce SIZE...\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
-    int alltoall = !strcmp(argv[1], "alltoall");
-    double factor = alltoall ? (nranks - 1.0) / nranks : 2.0 * (nranks - 1.0) / nranks;
+    double factor = c == ALLREDUCE ? 2.0 * (nranks - 1.0) / nranks
+                  : c == BROADCAST || c == REDUCE ? 1.0 : (nranks - 1.0) / nranks;
     size_t max = 0;
     for (int a = 2; a < argc; a++) { size_t b = strtoull(argv[a], 0, 10); if (b > max) max = b; }
     float *send = malloc(max + 64), *recv = malloc(max + 64);
@@ -92,12 +125,12 @@ int main(int argc, char **argv) {
     long failed = 0;
     for (int a = 2; a < argc; a++) {
         size_t count = strtoull(argv[a], 0, 10) / sizeof(float);
-        if (alltoall) count = count / nranks * nranks;
+        if (c == ALLTOALL || c == REDUCESCATTER || c == ALLGATHER) count = count / nranks * nranks;
         double t[2];
         long wrong[2];
         for (int ip = 0; ip < 2; ip++) {
-            wrong[ip] = check(alltoall, send, recv, count, ip);
-            t[ip] = measure(alltoall, send, recv, count, ip);
+            wrong[ip] = check(c, send, recv, count, ip);
+            t[ip] = measure(c, send, recv, count, ip);
             failed += wrong[ip];
         }
         double bytes = count * sizeof(float);
