@@ -22,6 +22,8 @@ pub struct Bench<'a> {
     started: Instant,
     /// When the last progress line went to a log (not a terminal).
     logged: Instant,
+    /// Which size of how many the sweep is at, for the progress bar.
+    pub sweep: (usize, usize),
 }
 
 impl<'a> Bench<'a> {
@@ -55,6 +57,7 @@ impl<'a> Bench<'a> {
             skew: None,
             started: Instant::now(),
             logged: Instant::now(),
+            sweep: (0, 1),
         }
     }
 
@@ -246,6 +249,7 @@ impl<'a> Bench<'a> {
         if self.comm.rank() != 0 || each < Duration::from_millis(500) {
             return;
         }
+        let terminal = std::io::stderr().is_terminal();
         let mode = if in_place { "in-place" } else { "out-of-place" };
         let line = format!(
             "collbench: {} {mode}: iteration {done}/{iters}, {:.2}s each, {:.0}s since start",
@@ -253,13 +257,39 @@ impl<'a> Bench<'a> {
             each.as_secs_f64(),
             self.started.elapsed().as_secs_f64()
         );
-        if std::io::stderr().is_terminal() {
-            eprint!("\r{line}\x1b[K{}", if done == iters { "\n" } else { "" });
+        if terminal {
+            let (k, n) = self.sweep;
+            eprint!("\r{} {line}\x1b[K", bar(k, n, self.started));
         } else if done == iters || self.logged.elapsed() >= Duration::from_secs(10) {
             // A log gets a line every 10 s, not one per iteration.
             self.logged = Instant::now();
             collectives::log::eprint_line(&line);
         }
+    }
+}
+
+/// A progress bar for a sweep at size `k` (from 0) of `n`, on a terminal:
+/// `[#####.....] 3/10 sizes, 12s`.
+pub fn bar(k: usize, n: usize, started: Instant) -> String {
+    const WIDTH: usize = 20;
+    let full = WIDTH * k / n.max(1);
+    format!(
+        "[{}{}] {k}/{n} sizes, {:.0}s",
+        "#".repeat(full),
+        ".".repeat(WIDTH - full),
+        started.elapsed().as_secs_f64()
+    )
+}
+
+/// Shows the sweep's bar on rank 0's terminal before size `k` is measured,
+/// or (`k == n`) clears it.
+pub fn show_bar(rank: usize, k: usize, n: usize, started: Instant) {
+    if rank != 0 || !std::io::stderr().is_terminal() {
+        return;
+    }
+    match k < n {
+        true => eprint!("\r{}\x1b[K", bar(k, n, started)),
+        false => eprint!("\r\x1b[K"),
     }
 }
 

@@ -271,8 +271,14 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
         report::header(&mut *out).map_err(io)?;
     }
     let mut rows = Vec::with_capacity(sizes.len());
-    for &size in &sizes {
+    let started = std::time::Instant::now();
+    let rank = bench.comm.rank();
+    for (k, &size) in sizes.iter().enumerate() {
+        // On a terminal, a bar on stderr between the rows (cleared before each).
+        bench.sweep = (k, sizes.len());
+        bench::show_bar(rank, k, sizes.len(), started);
         let row = bench.row(size).map_err(|e| e.to_string())?;
+        bench::show_bar(rank, sizes.len(), sizes.len(), started);
         report::row(&mut *out, &row).map_err(io)?;
         out.flush().map_err(io)?;
         rows.push(row);
