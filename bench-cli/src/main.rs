@@ -68,6 +68,7 @@ fn main() -> ExitCode {
             };
         }
         Command::Simulate(a) => {
+            simulate::with_huge_pages(&a);
             return match simulate::run(&a) {
                 Ok(()) => ExitCode::SUCCESS,
                 Err(e) => exit(Err(e)),
