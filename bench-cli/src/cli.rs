@@ -326,24 +326,7 @@ impl SimArgs {
         match (&self.size, self.minbytes, self.maxbytes) {
             (Some(list), None, None) => Ok(list.clone()),
             (None, None, None) => Ok(vec![8, 1 << 20, 256 << 20]),
-            (None, lo, hi) => {
-                let (lo, hi) = (lo.or(hi).unwrap(), hi.or(lo).unwrap());
-                if lo > hi || (lo != hi && self.stepfactor <= 1.0) {
-                    return Err(format!(
-                        "no sweep from {lo} to {hi} by x{}",
-                        self.stepfactor
-                    ));
-                }
-                let mut sizes = vec![lo];
-                while let Some(&last) = sizes.last() {
-                    let next = (last.max(1) as f64 * self.stepfactor).round() as u64;
-                    if next > hi {
-                        break;
-                    }
-                    sizes.push(next.max(last + 1));
-                }
-                Ok(sizes)
-            }
+            (None, lo, hi) => sweep(lo.or(hi).unwrap(), hi.or(lo).unwrap(), self.stepfactor),
             _ => Err("give either --size or -b/-e".into()),
         }
     }
@@ -379,22 +362,7 @@ impl BenchArgs {
         if let Some(list) = &self.size {
             return Ok(list.clone());
         }
-        let (lo, hi) = (self.minbytes, self.maxbytes);
-        if lo > hi {
-            return Err(format!("minbytes {lo} is above maxbytes {hi}"));
-        }
-        if self.stepfactor <= 1.0 && lo != hi {
-            return Err("the step factor must be above 1".into());
-        }
-        let mut sizes = vec![lo];
-        while let Some(&last) = sizes.last() {
-            let next = ((last.max(1)) as f64 * self.stepfactor).round() as u64;
-            if next > hi {
-                break;
-            }
-            sizes.push(next.max(last + 1));
-        }
-        Ok(sizes)
+        sweep(self.minbytes, self.maxbytes, self.stepfactor)
     }
 
     /// Timed and warm-up iterations for a size (ci/mpibench.c and
@@ -415,4 +383,24 @@ impl BenchArgs {
         });
         (iters.max(1), warmup)
     }
+}
+
+/// Sizes from `lo` to `hi` (both included when `hi` is on the way), each
+/// `factor` times the one before (at least one byte more).
+fn sweep(lo: u64, hi: u64, factor: f64) -> Result<Vec<u64>, String> {
+    if lo > hi {
+        return Err(format!("minbytes {lo} is above maxbytes {hi}"));
+    }
+    if factor <= 1.0 && lo != hi {
+        return Err("the step factor must be above 1".into());
+    }
+    let mut sizes = vec![lo];
+    while let Some(&last) = sizes.last() {
+        let next = (last.max(1) as f64 * factor).round() as u64;
+        if next > hi {
+            break;
+        }
+        sizes.push(next.max(last + 1));
+    }
+    Ok(sizes)
 }

@@ -317,6 +317,9 @@ impl Communicator {
     /// after spinning and yielding; fails the oldest running call once
     /// nothing moved for the timeout.
     pub(crate) fn idle(&mut self, extra: Option<BorrowedFd<'_>>) {
+        if self.inflight.poller.spin() {
+            return;
+        }
         let Some(oldest) =
             (self.inflight.calls.iter()).position(|c| matches!(c.state, State::Running(_)))
         else {

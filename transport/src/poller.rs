@@ -25,7 +25,15 @@ pub struct Poller {
     idle_since: Option<Instant>,
     /// The last idle round slept (the loop is past spinning and yielding).
     asleep: bool,
+    /// Idle rounds since the last busy one, and whether the last one that
+    /// read the clock was still in the spin phase.
+    rounds: u32,
+    spinning: bool,
 }
+
+/// While spinning, the clock is read every this many idle rounds: a read
+/// costs about as much as a whole round over shared memory.
+const SPIN_CLOCK_EVERY: u32 = 16;
 
 impl Default for Poller {
     fn default() -> Self {
@@ -49,6 +57,8 @@ impl Poller {
             patience,
             idle_since: None,
             asleep: false,
+            rounds: 0,
+            spinning: false,
         }
     }
 
@@ -56,6 +66,20 @@ impl Poller {
     pub fn busy(&mut self) {
         self.idle_since = None;
         self.asleep = false;
+        self.rounds = 0;
+        self.spinning = false;
+    }
+
+    /// The cheap part of an idle round, to call before preparing
+    /// [`idle`](Self::idle)'s arguments: while spinning, most rounds only
+    /// spin (without reading the clock). Returns whether the round is done.
+    pub fn spin(&mut self) -> bool {
+        self.rounds = self.rounds.wrapping_add(1);
+        if self.spinning && self.rounds % SPIN_CLOCK_EVERY != 0 {
+            std::hint::spin_loop();
+            return true;
+        }
+        false
     }
 
     /// Whether the last idle round slept: the wait is a long one.
@@ -78,7 +102,8 @@ impl Poller {
         if idle >= timeout {
             return Ok(false);
         }
-        if idle < self.spin {
+        self.spinning = idle < self.spin;
+        if self.spinning {
             std::hint::spin_loop();
         } else if idle < self.patience {
             std::thread::yield_now();
