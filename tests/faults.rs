@@ -13,10 +13,21 @@ fn worker() -> &'static Path {
 
 /// Runs `coll-worker --ranks N MODE..` over `transport` with a short timeout.
 fn job(ranks: usize, mode: &[&str], transport: &str, timeout_s: &str) -> Run {
+    job_with(ranks, mode, transport, timeout_s, &[])
+}
+
+fn job_with(
+    ranks: usize,
+    mode: &[&str],
+    transport: &str,
+    timeout_s: &str,
+    extra: &[(&str, &str)],
+) -> Run {
     let n = ranks.to_string();
     let mut args = vec!["--ranks", &n];
     args.extend_from_slice(mode);
-    let env = [("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    let mut env = vec![("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    env.extend_from_slice(extra);
     run(worker(), &args, &env, Duration::from_secs(60))
 }
 
@@ -144,6 +155,28 @@ fn disagreement(kind: &str, theirs: &str, transport: &str) {
         "{kind} took {:?}",
         r.elapsed
     );
+    assert_all_gone(&r);
+}
+
+/// The flag path for small calls (COLL_TINY) fails as the general path
+/// does: a killed peer and a disagreeing one are named, promptly.
+#[test]
+fn small_calls_through_shared_flags_fail_with_the_peer_named() {
+    let tiny = [("COLL_TINY", "4K")];
+    let r = job_with(4, &["die-small"], "shm", "20", &tiny);
+    assert!(!r.ok);
+    assert!(
+        r.stderr.contains("rank 1 was killed by signal 9"),
+        "{}",
+        r.stderr
+    );
+    assert_named(&r, &[0, 2, 3], "allreduce #");
+    assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
+    assert_all_gone(&r);
+    let r = job_with(3, &["mismatch", "count"], "shm", "10", &tiny);
+    assert!(!r.ok);
+    assert!(r.stderr.contains("disagree"), "{}", r.stderr);
+    assert!(r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
     assert_all_gone(&r);
 }
 

@@ -104,6 +104,20 @@ fn five_ranks_shm_tree_small_chunks() {
     matrix_with(5, "4K", "shm", &[TREE]);
 }
 
+// Small AllReduces and barriers through shared flags (COLL_TINY), beside
+// everything else on the general path.
+const TINY: (&str, &str) = ("COLL_TINY", "4K");
+
+#[test]
+fn three_ranks_shm_tiny() {
+    matrix_with(3, "1M", "shm", &[TINY]);
+}
+
+#[test]
+fn four_ranks_shm_tiny_ring() {
+    matrix_with(4, "4K", "shm", &[TINY, RING]);
+}
+
 #[test]
 fn three_ranks_shm_rabenseifner_bruck_small_chunks() {
     matrix_with(3, "4K", "shm", &[LOG_ROUNDS]);

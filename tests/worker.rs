@@ -103,7 +103,8 @@ fn run(mode: &[String]) -> Result<(), String> {
             mode.get(1).map(String::as_str).unwrap_or("count"),
         )
         .map_err(e),
-        "die" | "stall" => victim(&mut comm, name == "die").map_err(e),
+        "die" | "stall" => victim(&mut comm, name == "die", 16 << 20).map_err(e),
+        "die-small" => victim(&mut comm, true, 16).map_err(e),
         "late" => comm.barrier().map_err(e),
         "pingpong" => {
             let n: usize = mode.get(1).and_then(|n| n.parse().ok()).unwrap_or(10);
@@ -434,9 +435,10 @@ fn mismatch(comm: &mut Communicator, kind: &str) -> Result<(), collectives::Erro
     comm.all_reduce_bytes(collectives::Buffers::InPlace(&mut buf[..len]), dtype, op)
 }
 
-/// Large allreduces in a loop; rank 1 is stopped or killed during one.
-fn victim(comm: &mut Communicator, kill: bool) -> Result<(), collectives::Error> {
-    let mut buf = vec![1.0f32; 16 << 20];
+/// AllReduces of `count` floats in a loop; rank 1 is stopped or killed
+/// during one.
+fn victim(comm: &mut Communicator, kill: bool, count: usize) -> Result<(), collectives::Error> {
+    let mut buf = vec![1.0f32; count];
     comm.barrier()?;
     if comm.rank() == 1 {
         std::thread::spawn(move || {
@@ -449,7 +451,8 @@ fn victim(comm: &mut Communicator, kill: bool) -> Result<(), collectives::Error>
             rustix::process::kill_process(rustix::process::getpid(), sig).unwrap();
         });
     }
-    for _ in 0..1000 {
+    let calls = if count < 1024 { 100_000_000 } else { 1000 };
+    for _ in 0..calls {
         comm.all_reduce_in_place(&mut buf, ReduceOp::Sum)?;
     }
     Ok(())

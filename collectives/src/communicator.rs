@@ -95,6 +95,8 @@ pub struct Communicator {
     /// The last calls and the counters.
     pub(crate) recorder: Recorder,
     pub(crate) selector: Selector,
+    /// The small-call path, once set up (see `tiny.rs`).
+    pub(crate) tiny: crate::tiny::State,
 }
 
 /// What the second half of initialisation needs: everyone's info and this
@@ -183,11 +185,9 @@ impl Communicator {
                 "launcher says local rank {local_rank_hint:?}, the rendezvous says {local_rank}"
             );
         }
-        let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-        let spin = if local_ranks.len() > cores {
-            Duration::ZERO
-        } else {
-            Poller::DEFAULT_SPIN
+        let spin = match oversubscribed(local_ranks.len()) {
+            true => Duration::ZERO,
+            false => Poller::DEFAULT_SPIN,
         };
         let size = table.peers.len();
         mesh::log_peers(rank, &table, &mesh.via);
@@ -209,7 +209,9 @@ impl Communicator {
             per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
             transport: mesh::summary(&mesh.via),
         };
+        let tiny = crate::tiny::State::initial(config.tiny_bytes, &mesh.via);
         let comm = Communicator {
+            tiny,
             selector: Selector::new(rank, hosts.clone(), setting),
             rank,
             size,
@@ -447,6 +449,9 @@ impl Communicator {
         input: Option<&[u8]>,
         output: &mut [u8],
     ) -> Result<()> {
+        if let Some(result) = self.try_tiny(args, input, output) {
+            return result;
+        }
         // SAFETY: the borrows keep both buffers alive and to ourselves until
         // `wait` returns, which is when the call has finished (or failed
         // and the connections were aborted).
@@ -516,6 +521,12 @@ impl Drop for Communicator {
             tracing::warn!(rank = self.rank, "COLL_STATS: could not write {path}: {e}");
         }
     }
+}
+
+/// Whether `local_ranks` ranks on this host outnumber its cores: waiting
+/// ranks should then yield at once rather than spin.
+pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
+    local_ranks > std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// The ranks of `peers` grouped by host, in rank order.

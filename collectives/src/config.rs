@@ -19,6 +19,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
+/// | `COLL_TINY` | experimental: AllReduces up to this many bytes (and barriers) among the ranks of one host run through shared flags, not messages (`K` suffix) | 0 (off) |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -34,6 +35,9 @@ pub struct Config {
     pub transport: String,
     pub tcp: TcpOptions,
     pub shm: ShmOptions,
+    /// AllReduces up to this many bytes, and barriers, among ranks of one
+    /// host take the flag path (`tiny.rs`); 0: never.
+    pub tiny_bytes: usize,
 }
 
 impl Default for Config {
@@ -46,6 +50,7 @@ impl Default for Config {
             transport: "auto".into(),
             tcp: TcpOptions::default(),
             shm: ShmOptions::default(),
+            tiny_bytes: 0,
         }
     }
 }
@@ -75,6 +80,9 @@ impl Config {
             c.tcp.socket_buffer =
                 Some(parse_size(&v).map_err(|e| format!("COLL_TCP_BUFFER: {e}"))? as usize);
         }
+        if let Some(v) = var("COLL_TINY") {
+            c.tiny_bytes = parse_size(&v).map_err(|e| format!("COLL_TINY: {e}"))? as usize;
+        }
         if let Some(v) = var("COLL_SHM_SINGLE_COPY") {
             c.shm.single_copy = !matches!(v.as_str(), "0" | "false" | "no" | "off");
         }
@@ -103,7 +111,10 @@ impl Config {
 
     /// What every rank of a job must agree on, as text.
     pub(crate) fn shared_settings(&self) -> String {
-        format!("transport={} chunk={}", self.transport, self.chunk_bytes)
+        format!(
+            "transport={} chunk={} tiny={}",
+            self.transport, self.chunk_bytes, self.tiny_bytes
+        )
     }
 
     /// The transport for a peer, given whether it shares our host and

@@ -249,6 +249,19 @@ impl Communicator {
         }
     }
 
+    /// Drives the calls in flight until no collective is queued or running
+    /// (their results stay for whoever waits on them).
+    pub(crate) fn finish_collectives(&mut self) {
+        let pending = |c: &Call| {
+            c.args.collective != Collective::PointToPoint && !matches!(c.state, State::Finished(_))
+        };
+        while self.inflight.calls.iter().any(pending) {
+            if !self.step_all() {
+                self.idle(None);
+            }
+        }
+    }
+
     /// Drives every call in flight until `id` finished, and returns its result.
     pub(crate) fn wait(&mut self, id: CallId) -> Result<()> {
         loop {

@@ -52,6 +52,7 @@ pub mod simulate;
 mod split;
 pub mod status;
 mod timeline;
+mod tiny;
 mod transfers;
 pub mod tuning;
 
