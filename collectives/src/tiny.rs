@@ -130,14 +130,14 @@ impl Tiny {
     }
 
     /// An AllReduce of `input` into `output` (equal lengths, at most
-    /// `max_bytes`; `output` may be the input itself, which is read first),
-    /// or a barrier with empty buffers. `tag` names the call for mismatch
+    /// `max_bytes`; `None`: in place, `output` holds the input), or a
+    /// barrier with empty buffers. `tag` names the call for mismatch
     /// errors; `check` is called while waiting, to give up (on abort, a
     /// dead or departed peer, the timeout) with the error it returns.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce(
         &mut self,
-        input: &[u8],
+        input: Option<&[u8]>,
         output: &mut [u8],
         dtype: DataType,
         op: ReduceOp,
@@ -149,14 +149,15 @@ impl Tiny {
         self.calls += 1;
         let sb = Self::slot_bytes(self.max_bytes);
         let mine = self.segments[self.me].slot(k, sb);
+        let len = output.len();
+        let from = input.unwrap_or(output).as_ptr();
         // SAFETY: our own slot: no reader looks at slot k % 2 until we
-        // publish k + 1 below, and none still reads it (module doc).
+        // publish k + 1 below, and none still reads it (module doc); `from`
+        // holds `len` bytes (the input is as long as the output).
         unsafe {
-            std::ptr::copy_nonoverlapping(input.as_ptr(), mine.add(HEADER), input.len());
+            std::ptr::copy_nonoverlapping(from, mine.add(HEADER), len);
             mine.add(16).cast::<u128>().write_unaligned(tag);
-            mine.add(32)
-                .cast::<u64>()
-                .write_unaligned(input.len() as u64);
+            mine.add(32).cast::<u64>().write_unaligned(len as u64);
             seq(mine).store(k + 1, Ordering::Release);
         }
         for r in 0..self.segments.len() {
@@ -170,11 +171,11 @@ impl Tiny {
                     slot.add(32).cast::<u64>().read_unaligned() as usize,
                 )
             };
-            if (got_tag, got_len) != (tag, input.len()) {
+            if (got_tag, got_len) != (tag, len) {
                 return Err(transport::Error::Mismatch {
                     peer: r,
                     expected_tag: tag,
-                    expected_len: input.len(),
+                    expected_len: len,
                     got_tag,
                     got_len,
                 });
@@ -342,14 +343,6 @@ impl Communicator {
         self.recorder.running(slot, "tiny", output.len());
         let State::On(mut tiny) = std::mem::replace(&mut self.tiny, State::Off) else {
             unreachable!("checked by try_tiny")
-        };
-        let own;
-        let input = match input {
-            Some(i) => i,
-            None => {
-                own = output.to_vec();
-                &own[..]
-            }
         };
         let (timeout, abort) = (self.config.timeout, self.abort.clone());
         let lane = &mut self.lanes[crate::mesh::Lane::Collective as usize];
