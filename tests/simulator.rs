@@ -72,12 +72,27 @@ struct Calibration {
 
 fn calibration(hosts: &Hosts) -> Calibration {
     let sizes = "--size 8,16M --iters 200 -w 20";
-    let across = across(hosts, 1, 29721, &format!("--algo ring {sizes}"));
-    let (link_latency, link_bw) = calibrate(&across);
-    let shm = local(&format!(
-        "allreduce -n 2 --transport shm --algo ring -c 0 {sizes}"
-    ));
-    let (intra_latency, intra_bw) = calibrate(&shm);
+    // The best of three runs: a busy moment only ever makes a run slower
+    // (once, another job's build made the 8 B latency 100x).
+    let best = |runs: Vec<(f64, f64)>| {
+        (runs.iter()).fold((f64::INFINITY, 0.0), |(l, b), r| {
+            (l.min(r.0), f64::max(b, r.1))
+        })
+    };
+    let (link_latency, link_bw) = best(
+        (0..3)
+            .map(|i| {
+                calibrate(&across(
+                    hosts,
+                    1,
+                    29721 + i,
+                    &format!("--algo ring {sizes}"),
+                ))
+            })
+            .collect(),
+    );
+    let shm = format!("allreduce -n 2 --transport shm --algo ring -c 0 {sizes}");
+    let (intra_latency, intra_bw) = best((0..3).map(|_| calibrate(&local(&shm))).collect());
     println!(
         "calibrated: tcp {:.1} us, {:.2} GB/s; shm {:.1} us, {:.2} GB/s",
         link_latency * 1e6,
