@@ -174,7 +174,7 @@ fn predictions_for_two_and_four_hosts_are_within_a_factor_of_measurement() {
     // Generous: this machine's 2 cores run 4 ranks plus the kernel's TCP;
     // the model knows nothing of cores shared. The worst point seen is
     // direct at 8 B on 4 single-rank hosts, 9x (every rank's three sends
-    // at once: the model posts them for free, 2 cores do not).
+    // at once: the model posts them for free, 2 cores do not), 9-14x.
     assert!((0.25..=4.0).contains(&median), "median ratio {median}");
-    assert!(worst <= 20.0, "a prediction {worst}x off");
+    assert!(worst <= 30.0, "a prediction {worst}x off");
 }
