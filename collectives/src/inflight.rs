@@ -185,24 +185,10 @@ impl Communicator {
                 reason,
             });
         }
-        let seq = self.next_seq(args.peer);
         // SAFETY: the caller's promise.
         let (i, o) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
-        let count = (args.check(self.rank(), self.size(), i, o)).map_err(|message| {
-            Error::InvalidArgument {
-                rank: self.rank(),
-                message,
-            }
-        })?;
-        let desc = CallDesc {
-            collective: args.collective,
-            dtype: args.dtype,
-            op: args.op,
-            count,
-            root: args.root.map(|r| u16::try_from(r).unwrap_or(u16::MAX)),
-            seq,
-            comm: self.session as u8,
-        };
+        let desc = self.describe(args, i, o)?;
+        let count = desc.count;
         // Nothing to move (as in NCCL and MPI); barriers, point-to-point and
         // AllToAllv (whose peers may expect blocks) always run.
         let skip = count == 0
@@ -235,6 +221,30 @@ impl Communicator {
         });
         self.begin_ready();
         Ok(id)
+    }
+
+    /// Gives a call its sequence number and checks it: its descriptor, or
+    /// an argument error (the number is used up all the same, so a rank
+    /// that goes on is caught by its peers' next call).
+    pub(crate) fn describe(
+        &mut self,
+        args: &CallArgs,
+        input: Option<&[u8]>,
+        output: &[u8],
+    ) -> Result<CallDesc> {
+        let seq = self.next_seq(args.peer);
+        let rank = self.rank;
+        let count = (args.check(rank, self.size, input, output))
+            .map_err(|message| Error::InvalidArgument { rank, message })?;
+        Ok(CallDesc {
+            collective: args.collective,
+            dtype: args.dtype,
+            op: args.op,
+            count,
+            root: args.root.map(|r| u16::try_from(r).unwrap_or(u16::MAX)),
+            seq,
+            comm: self.session as u8,
+        })
     }
 
     /// The result of `id` if it finished (the call is then forgotten).

@@ -24,7 +24,7 @@ use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use transport::{Rank, Tag};
 
 use crate::args::CallArgs;
-use crate::descriptor::{CallDesc, Collective};
+use crate::descriptor::Collective;
 use crate::reduce;
 use crate::{Communicator, DataType, Error, ReduceOp, Result};
 
@@ -326,25 +326,15 @@ impl Communicator {
 
     fn run_tiny(&mut self, args: &CallArgs, input: Option<&[u8]>, output: &mut [u8]) -> Result<()> {
         let rank = self.rank;
-        let count = (args.check(rank, self.size, input, output))
-            .map_err(|message| Error::InvalidArgument { rank, message })?;
+        let desc = self.describe(args, input, output)?;
         // Earlier collectives finish first: calls keep their order.
         self.finish_collectives();
-        let desc = CallDesc {
-            collective: args.collective,
-            dtype: args.dtype,
-            op: args.op,
-            count,
-            root: None,
-            seq: self.next_seq(None),
-            comm: self.session as u8,
-        };
         let slot = self.recorder.start(desc, None, output.len());
         self.recorder.running(slot, "tiny", output.len());
         let State::On(mut tiny) = std::mem::replace(&mut self.tiny, State::Off) else {
             unreachable!("checked by try_tiny")
         };
-        let (timeout, abort) = (self.config.timeout, self.abort.clone());
+        let (timeout, abort) = (self.config.timeout, &self.abort);
         let lane = &mut self.lanes[crate::mesh::Lane::Collective as usize];
         let mut check = |peer: Rank| -> transport::Result<()> {
             if let Some(reason) = abort.reason() {
