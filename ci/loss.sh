@@ -17,7 +17,8 @@
 #    are exhausted (COLL_IB_TIMEOUT/COLL_IB_RETRY_CNT) and naming its peer;
 #    one that only waits to receive has nothing to retry and no way to hear
 #    of it (the side channel is cut too): it fails at its timeout, naming
-#    the peer as unreachable. At least one rank must be of the first kind.
+#    the peer as unreachable (or, when the peer's exit reaches it after
+#    all, as gone). At least one rank must be of the first kind.
 set -euo pipefail
 bench=$(realpath "${1:?usage: ci/loss.sh COLLBENCH}")
 out=$(mktemp -d)
@@ -133,7 +134,7 @@ for r in 0 1; do
   p=$((1 - r))
   if grep -E "^collbench: rank $r: .*retries exhausted: no acknowledgement from peer rank $p" "$out/rank$r.log" >/dev/null; then
     exhausted=$((exhausted + 1))
-  elif ! grep -E "^collbench: rank $r: .*timed out .* peer rank $p .*root cause: rank $p did not answer" "$out/rank$r.log" >/dev/null; then
+  elif ! grep -E "^collbench: rank $r: .*(timed out .* peer rank $p .*root cause: rank $p did not answer|peer rank $p closed the connection)" "$out/rank$r.log" >/dev/null; then
     tail -5 "$out/rank$r.log"
     echo "loss.sh: rank $r failed without naming rank $p as unreachable" >&2
     exit 1
