@@ -10,13 +10,18 @@
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
+#                 [--busy]
+#
+# --busy: a busy loop pinned to the last core runs throughout (a data
+# loader, a noisy neighbour: a training host is never idle), for every
+# library alike.
 #
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3 ranks="2 4 8" sizes="8 1M 16M 256M"
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0
 collectives="allreduce alltoall reducescatter allgather broadcast reduce"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -24,7 +29,8 @@ while [ $# -gt 0 ]; do
     --ranks) ranks=$2; shift 2 ;;
     --sizes) sizes=$2; shift 2 ;;
     --collectives) collectives=$2; shift 2 ;;
-    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --busy) busy=1; shift ;;
+    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
@@ -64,6 +70,13 @@ PY
 sizes_b=$(bytes $sizes)
 list=$(echo $sizes | tr ' ' ',')
 results=$(mktemp -d "$out/run.XXXXXX")
+if [ $busy = 1 ]; then
+  core=$(( $(nproc) - 1 ))
+  taskset -c "$core" sh -c 'while :; do :; done' &
+  hog=$!
+  trap 'kill $hog 2>/dev/null' EXIT
+  echo "compare.sh: a busy loop (pid $hog) holds core $core throughout" >&2
+fi
 for rep in $(seq "$reps"); do
   for coll in $collectives; do
     for n in $ranks; do

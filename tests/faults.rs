@@ -178,6 +178,25 @@ fn small_calls_through_shared_flags_fail_with_the_peer_named() {
     assert!(r.stderr.contains("disagree"), "{}", r.stderr);
     assert!(r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
     assert_all_gone(&r);
+    // Rank 1's 4092 bytes take the flag path, the others' 4096 do not: the
+    // rank waiting on a flag reads that its peer went the general way.
+    let r = job_with(
+        3,
+        &["mismatch", "count"],
+        "shm",
+        "10",
+        &[("COLL_TINY", "4092")],
+    );
+    assert!(!r.ok);
+    assert!(
+        r.stderr.contains("rank 1: allreduce #1 (1023 x f32, sum)")
+            && r.stderr.contains("disagree")
+            && r.stderr.contains("allreduce #1 (1024 x f32, sum)"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
+    assert_all_gone(&r);
 }
 
 #[test]

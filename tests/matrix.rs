@@ -66,7 +66,12 @@ fn two_ranks_shm() {
 
 #[test]
 fn two_ranks_shm_ring_two_copies_small_chunks() {
-    matrix_with(2, "4K", "shm", &[("COLL_SHM_SINGLE_COPY", "0"), RING]);
+    matrix_with(
+        2,
+        "4K",
+        "shm",
+        &[("COLL_SHM_SINGLE_COPY", "0"), RING, NO_FLAGS],
+    );
 }
 
 #[test]
@@ -76,7 +81,7 @@ fn two_ranks_tcp_small_chunks() {
 
 #[test]
 fn three_ranks_shm_ring_small_chunks() {
-    matrix_with(3, "4K", "shm", &[RING]);
+    matrix_with(3, "4K", "shm", &[RING, NO_FLAGS]);
 }
 
 #[test]
@@ -86,7 +91,7 @@ fn three_ranks_tcp_direct() {
 
 #[test]
 fn four_ranks_shm_direct() {
-    matrix_with(4, "64K", "shm", &[DIRECT]);
+    matrix_with(4, "64K", "shm", &[DIRECT, NO_FLAGS]);
 }
 
 #[test]
@@ -101,26 +106,28 @@ fn three_ranks_tcp_tree() {
 
 #[test]
 fn five_ranks_shm_tree_small_chunks() {
-    matrix_with(5, "4K", "shm", &[TREE]);
+    matrix_with(5, "4K", "shm", &[TREE, NO_FLAGS]);
 }
 
-// Small AllReduces and barriers through shared flags (COLL_TINY), beside
-// everything else on the general path.
-const TINY: (&str, &str) = ("COLL_TINY", "4K");
+// Over shared memory, small AllReduces and barriers take the flag path
+// (COLL_TINY, 4 KiB by default): a forced algorithm is tested at every size
+// with it off, and one case moves the threshold so that flag calls and
+// general ones alternate within a run.
+const NO_FLAGS: (&str, &str) = ("COLL_TINY", "0");
 
 #[test]
-fn three_ranks_shm_tiny() {
-    matrix_with(3, "1M", "shm", &[TINY]);
+fn three_ranks_shm() {
+    matrix(3, "1M", "shm");
 }
 
 #[test]
-fn four_ranks_shm_tiny_ring() {
-    matrix_with(4, "4K", "shm", &[TINY, RING]);
+fn four_ranks_shm_flags_up_to_64_bytes() {
+    matrix_with(4, "4K", "shm", &[("COLL_TINY", "64")]);
 }
 
 #[test]
 fn three_ranks_shm_rabenseifner_bruck_small_chunks() {
-    matrix_with(3, "4K", "shm", &[LOG_ROUNDS]);
+    matrix_with(3, "4K", "shm", &[LOG_ROUNDS, NO_FLAGS]);
 }
 
 #[test]
@@ -130,7 +137,7 @@ fn six_ranks_tcp_rabenseifner_bruck() {
 
 #[test]
 fn eight_ranks_shm_rabenseifner_bruck_small_chunks() {
-    matrix_with(8, "4K", "shm", &[LOG_ROUNDS]);
+    matrix_with(8, "4K", "shm", &[LOG_ROUNDS, NO_FLAGS]);
 }
 
 #[test]

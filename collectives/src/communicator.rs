@@ -71,7 +71,7 @@ pub struct Communicator {
     pub(crate) registrations: RegistrationCache,
     pub(crate) config: Config,
     /// Collective calls made so far.
-    seq: u32,
+    pub(crate) seq: u32,
     /// Point-to-point messages sent to and received from each rank so far:
     /// their own sequence, so p2p never shifts the collectives'.
     p2p_sent: Vec<u32>,
@@ -185,7 +185,7 @@ impl Communicator {
                 "launcher says local rank {local_rank_hint:?}, the rendezvous says {local_rank}"
             );
         }
-        let spin = match oversubscribed(local_ranks.len()) {
+        let spin = match crate::cpus::oversubscribed(local_ranks.len()) {
             true => Duration::ZERO,
             false => Poller::DEFAULT_SPIN,
         };
@@ -239,6 +239,8 @@ impl Communicator {
             recorder: Recorder::new(rank, size),
         };
         crate::status::register(comm.session, &comm.recorder.board);
+        let mut comm = comm;
+        comm.set_up_tiny()?;
         Ok(comm)
     }
 
@@ -449,9 +451,6 @@ impl Communicator {
         input: Option<&[u8]>,
         output: &mut [u8],
     ) -> Result<()> {
-        if let Some(result) = self.try_tiny(args, input, output) {
-            return result;
-        }
         // SAFETY: the borrows keep both buffers alive and to ourselves until
         // `wait` returns, which is when the call has finished (or failed
         // and the connections were aborted).
@@ -484,6 +483,10 @@ impl Communicator {
         tracing::info!(rank = self.rank, "aborting the communicator: {reason}");
         for c in self.lanes.iter_mut().flatten().flatten() {
             c.abort(reason);
+        }
+        // After the connections: a peer that sees we left finds the reason there.
+        if let Some(t) = self.tiny.on() {
+            t.leave();
         }
         self.aborted = Some(reason.to_string());
     }
@@ -521,12 +524,6 @@ impl Drop for Communicator {
             tracing::warn!(rank = self.rank, "COLL_STATS: could not write {path}: {e}");
         }
     }
-}
-
-/// Whether `local_ranks` ranks on this host outnumber its cores: waiting
-/// ranks should then yield at once rather than spin.
-pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
-    local_ranks > std::thread::available_parallelism().map_or(1, |c| c.get())
 }
 
 /// The ranks of `peers` grouped by host, in rank order.

@@ -19,7 +19,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
-/// | `COLL_TINY` | experimental: AllReduces up to this many bytes (and barriers) among the ranks of one host run through shared flags, not messages (`K` suffix) | 0 (off) |
+/// | `COLL_TINY` | AllReduces up to this many bytes (and barriers) among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never) | 4K |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -50,7 +50,7 @@ impl Default for Config {
             transport: "auto".into(),
             tcp: TcpOptions::default(),
             shm: ShmOptions::default(),
-            tiny_bytes: 0,
+            tiny_bytes: 4096,
         }
     }
 }

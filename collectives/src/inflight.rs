@@ -15,7 +15,7 @@
 
 use std::os::fd::BorrowedFd;
 
-use transport::{Poller, Request};
+use transport::{Phase, Poller, Request};
 
 use crate::algo::{self, Layout};
 use crate::args::CallArgs;
@@ -71,6 +71,14 @@ impl RawBuf {
     }
 
     /// # Safety
+    /// The memory must be valid for `len` bytes, and no other reference to
+    /// it live while the result is.
+    pub(crate) unsafe fn bytes_mut<'a>(self) -> &'a mut [u8] {
+        // SAFETY: the caller's promise; an empty slice needs no memory.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr_or_dangling(), self.len) }
+    }
+
+    /// # Safety
     /// The memory must be valid for `len` bytes.
     pub(crate) unsafe fn bytes<'a>(self) -> &'a [u8] {
         // SAFETY: the caller's promise; an empty slice needs no memory.
@@ -90,6 +98,8 @@ enum State {
     /// A collective waiting for the one before it.
     Queued,
     Running(Box<Running>),
+    /// A small call on the flag path (`tiny.rs`).
+    Flags(crate::tiny::FlagCall),
     Finished(Result<()>),
 }
 
@@ -120,6 +130,11 @@ struct Running {
     /// ours and copies this rank's block here when done.
     copy_out: Option<RawBuf>,
 }
+
+/// The longest sleep on a flag: a peer's death or abort shows this soon.
+const FLAG_SLEEP: std::time::Duration = std::time::Duration::from_millis(10);
+/// ... while other calls run, whose progress a flag does not announce.
+const FLAG_SLEEP_WITH_OTHERS: std::time::Duration = std::time::Duration::from_micros(50);
 
 /// The calls in flight, in start order.
 pub(crate) struct InFlight {
@@ -259,19 +274,6 @@ impl Communicator {
         }
     }
 
-    /// Drives the calls in flight until no collective is queued or running
-    /// (their results stay for whoever waits on them).
-    pub(crate) fn finish_collectives(&mut self) {
-        let pending = |c: &Call| {
-            c.args.collective != Collective::PointToPoint && !matches!(c.state, State::Finished(_))
-        };
-        while self.inflight.calls.iter().any(pending) {
-            if !self.step_all() {
-                self.idle(None);
-            }
-        }
-    }
-
     /// Drives every call in flight until `id` finished, and returns its result.
     pub(crate) fn wait(&mut self, id: CallId) -> Result<()> {
         loop {
@@ -298,6 +300,24 @@ impl Communicator {
         let mut moved = false;
         for at in 0..self.inflight.calls.len() {
             let call = &mut self.inflight.calls[at];
+            if let State::Flags(flags) = &mut call.state {
+                let tiny = self.tiny.on().expect("a flag call has the flag path");
+                let (before, desc) = (tiny.waiting_on(flags), call.desc);
+                // SAFETY: the caller's buffer, reserved for this call.
+                let out = unsafe { call.output.bytes_mut() };
+                let op = desc.op.unwrap_or(ReduceOp::Sum);
+                match tiny.poll(flags, out, desc.dtype, op) {
+                    Ok(true) => self.finish(at, Ok(())),
+                    Ok(false) if tiny.waiting_on(flags) == before => continue,
+                    Ok(false) => {}
+                    Err(e) => {
+                        self.fail(at, Error::collective(self.rank, desc, e));
+                        return true;
+                    }
+                }
+                moved = true;
+                continue;
+            }
             let State::Running(run) = &mut call.state else {
                 continue;
             };
@@ -343,6 +363,11 @@ impl Communicator {
         if self.inflight.poller.spin() {
             return;
         }
+        if let Some(at) =
+            (self.inflight.calls.iter()).position(|c| matches!(c.state, State::Flags(_)))
+        {
+            return self.idle_flags(at);
+        }
         let Some(oldest) =
             (self.inflight.calls.iter()).position(|c| matches!(c.state, State::Running(_)))
         else {
@@ -374,35 +399,12 @@ impl Communicator {
             Ok(true) if self.inflight.poller.asleep() => self.publish_wait(oldest),
             Ok(true) => {}
             Ok(false) => {
-                self.recorder.stats.timeouts += 1;
-                self.publish_wait(oldest);
-                let call = &self.inflight.calls[oldest];
-                let State::Running(run) = &call.state else {
+                let State::Running(run) = &self.inflight.calls[oldest].state else {
                     unreachable!()
                 };
                 let waited = self.inflight.poller.idle_for();
                 let source = transfers::timeout_error(&run.exec, &run.sched, waited);
-                let op = call.desc;
-                tracing::warn!(
-                    rank = self.rank,
-                    "{op} timed out; asking every rank where it is"
-                );
-                let cause = crate::status::diagnose(
-                    self.rank,
-                    self.recorder.board.position(),
-                    &self.status_addresses(),
-                    self.session,
-                );
-                let rank = self.rank;
-                self.fail(
-                    oldest,
-                    Error::Stalled {
-                        rank,
-                        op,
-                        source: Box::new(source),
-                        cause,
-                    },
-                );
+                self.stall(oldest, source);
             }
             Err(e) => {
                 let e = Error::collective(self.rank, self.inflight.calls[oldest].desc, e);
@@ -411,14 +413,99 @@ impl Communicator {
         }
     }
 
+    /// Waits for the flag call `at`: spins, then sleeps on the flag it
+    /// waits for (woken by its writer), but not long while other calls
+    /// run (they wake through descriptors). A peer gone, on the general
+    /// path for this call, or aborted fails the call, and so does the timeout.
+    fn idle_flags(&mut self, at: usize) {
+        let phase = self.inflight.poller.phase(self.config.timeout);
+        let tiny = self.tiny.on().expect("a flag call has the flag path");
+        let call = &self.inflight.calls[at];
+        let State::Flags(flags) = &call.state else {
+            unreachable!("idle_flags is called for a flag call")
+        };
+        // Polling goes on for the poller's patience: a sleeping reader
+        // makes its writer pay a wake-up, and a late reader the next
+        // writer, a convoy. Yielding would hand a core shared with other
+        // work to that work for a whole time slice: only a rank whose peer
+        // needs its core (ranks outnumber cores, or the scheduler put both
+        // on one) yields.
+        match phase {
+            Phase::Yield if tiny.crowded || tiny.shares_our_core(flags) => {
+                return std::thread::yield_now()
+            }
+            Phase::Spin | Phase::Yield => return std::hint::spin_loop(),
+            Phase::Sleep(_) | Phase::Expired => {}
+        }
+        let (desc, peer) = (call.desc, tiny.waiting_on(flags));
+        let checked = tiny.check(flags);
+        // A peer's abort shows on its connection, with its reason (read
+        // after the check: a peer that left aborted its connections first).
+        let lane = &mut self.lanes[Lane::Collective as usize];
+        let connection = lane[peer]
+            .as_mut()
+            .map_or(Ok(()), |c| c.progress().map(|_| ()));
+        let others = (self.inflight.calls.iter()).any(|c| matches!(c.state, State::Running(_)));
+        match (connection.and(checked), phase) {
+            (Err(e), _) => self.fail(at, Error::collective(self.rank, desc, e)),
+            (Ok(()), Phase::Expired) => {
+                let waited = self.inflight.poller.idle_for();
+                let waiting_for = format!("its part of {desc}, by shared flags");
+                self.stall(
+                    at,
+                    transport::Error::Timeout {
+                        peer,
+                        waited,
+                        waiting_for,
+                    },
+                );
+            }
+            (Ok(()), _) if others => tiny.sleep(flags, FLAG_SLEEP_WITH_OTHERS),
+            (Ok(()), _) => {
+                tiny.sleep(flags, FLAG_SLEEP);
+                self.publish_wait(at);
+            }
+        }
+    }
+
+    /// Call `at` saw no progress for the timeout (`source` says on what):
+    /// fails it with every rank's answer to where it is.
+    fn stall(&mut self, at: usize, source: transport::Error) {
+        self.recorder.stats.timeouts += 1;
+        self.publish_wait(at);
+        let op = self.inflight.calls[at].desc;
+        tracing::warn!(
+            rank = self.rank,
+            "{op} timed out; asking every rank where it is"
+        );
+        let cause = crate::status::diagnose(
+            self.rank,
+            self.recorder.board.position(),
+            &self.status_addresses(),
+            self.session,
+        );
+        let rank = self.rank;
+        let source = Box::new(source);
+        let e = Error::Stalled {
+            rank,
+            op,
+            source,
+            cause,
+        };
+        self.fail(at, e);
+    }
+
     /// Puts what call `at` waits on where the other ranks can ask (only
     /// when the rank sleeps: a long wait).
     fn publish_wait(&self, at: usize) {
         let call = &self.inflight.calls[at];
-        if let State::Running(run) = &call.state {
-            if let Some(w) = run.exec.waiting_on(&run.sched) {
-                self.recorder.board.waiting(call.desc.tag(), &w);
-            }
+        let waiting = match &call.state {
+            State::Running(run) => run.exec.waiting_on(&run.sched),
+            State::Flags(flags) => Some(flags.waiting()),
+            _ => None,
+        };
+        if let Some(w) = waiting {
+            self.recorder.board.waiting(call.desc.tag(), &w);
         }
     }
 
@@ -460,6 +547,7 @@ impl Communicator {
         let call = self.inflight.calls.iter().find(|c| c.slot.number() == n)?;
         match &call.state {
             State::Running(run) => run.exec.waiting_on(&run.sched),
+            State::Flags(flags) => Some(flags.waiting()),
             _ => None,
         }
     }
@@ -492,7 +580,7 @@ impl Communicator {
             let call = &self.inflight.calls[at];
             let p2p = call.args.collective == Collective::PointToPoint;
             match call.state {
-                State::Running(_) if !p2p => collective_busy = true,
+                State::Running(_) | State::Flags(_) if !p2p => collective_busy = true,
                 State::Queued if p2p || !collective_busy => {
                     if !p2p {
                         collective_busy = true;
@@ -510,6 +598,9 @@ impl Communicator {
     /// Chooses the call's algorithm, builds its schedule, registers its
     /// buffers and starts its execution.
     fn begin(&mut self, at: usize) -> Result<()> {
+        if self.begin_flags(at) {
+            return Ok(());
+        }
         let rank = self.rank;
         let call = &mut self.inflight.calls[at];
         let (desc, peer, counts) = (call.desc, call.args.peer, call.args.counts.take());
@@ -611,6 +702,29 @@ impl Communicator {
         run.exec.start(&run.sched, self.size, windows);
         self.inflight.calls[at].state = State::Running(run);
         Ok(())
+    }
+
+    /// On a communicator with the flag path, starts call `at` there if it
+    /// takes it (returns whether it did), or says it takes the general path.
+    fn begin_flags(&mut self, at: usize) -> bool {
+        let call = &mut self.inflight.calls[at];
+        let Some(tiny) = self.tiny.on_mut() else {
+            return false;
+        };
+        let bytes = call.output.len;
+        if call.desc.collective == Collective::PointToPoint {
+            return false;
+        }
+        if !tiny.takes(call.desc.collective, bytes) {
+            tiny.mark_general(&call.desc, bytes);
+            return false;
+        }
+        // SAFETY: the caller's buffers, reserved for this call (in place:
+        // the output holds the input).
+        let input = unsafe { call.input.unwrap_or(call.output).bytes() };
+        call.state = State::Flags(tiny.post(&call.desc, input));
+        self.recorder.running(call.slot, "tiny", bytes);
+        true
     }
 
     /// `b` as the executor sees it: registered with every transport in use

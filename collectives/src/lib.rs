@@ -31,6 +31,7 @@ pub mod bootstrap;
 mod calls;
 mod communicator;
 mod config;
+mod cpus;
 mod datatype;
 mod descriptor;
 mod doorbell;

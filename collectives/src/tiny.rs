@@ -1,15 +1,25 @@
-//! Small AllReduces and barriers among the ranks of one host, without the
-//! executor (experimental, `COLL_TINY=BYTES`; off by default): each rank
-//! owns a small shared segment of two slots; a call writes the rank's input
-//! into slot `k % 2` with the call's tag and publishes `k + 1`, then reads
-//! every rank's slot and reduces them in rank order (every rank's result
-//! bitwise the same). No message, no doorbell: one pass, as Open MPI's
-//! coll/sm and NCCL's LL protocol do, where the general path pays a
-//! schedule, staging slots and a ring protocol per message.
+//! Small AllReduces and barriers among the ranks of one host, without
+//! messages (`COLL_TINY=BYTES`): each rank owns a small shared segment of
+//! two slots; a call writes the rank's input into slot `k % 2` with the
+//! call's tag and publishes `k + 1`, then reads every rank's slot and
+//! reduces them in rank order (every rank's result bitwise the same). No
+//! schedule, no staging, no doorbell: one pass, as Open MPI's coll/sm and
+//! NCCL's LL protocol do.
 //!
-//! Two slots are enough: a rank writes slot `k % 2` again only for call
-//! `k + 2`, after it saw every rank publish call `k + 1`, which each did
-//! only after reading every slot of call `k`.
+//! A flag call is an ordinary call in flight (`inflight.rs`): blocking and
+//! non-blocking callers both take it, it runs in its turn on the collective
+//! lane, and a waiting rank polls, then sleeps on a futex the writer wakes.
+//!
+//! Two slots are enough: a rank writes slot `k % 2` again only for flag
+//! call `k + 2`, after it saw every rank publish call `k + 1`, which each
+//! did only after reading every slot of call `k`. Calls on the general path
+//! in between take no flag number.
+//!
+//! Ranks that disagree on the path (one rank's AllReduce is larger than the
+//! threshold, another's is not; a barrier against a broadcast) would wait
+//! for each other forever: every collective that takes the general path
+//! leaves its sequence number and tag in its rank's control line, and a rank
+//! waiting on a flag it never gets reads that and fails with a mismatch.
 //!
 //! Segments are memfds; peers open them through `/proc/PID/fd/FD` (same
 //! rules as reading another process's memory), read-only.
@@ -17,21 +27,28 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
 
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use rustix::thread::futex;
 use transport::{Rank, Tag};
 
-use crate::args::CallArgs;
-use crate::descriptor::Collective;
+use crate::descriptor::{CallDesc, Collective};
 use crate::reduce;
-use crate::{Communicator, DataType, Error, ReduceOp, Result};
+use crate::{Communicator, DataType, ReduceOp, Result};
 
-/// Bytes before a slot's data: its sequence word, then its tag and length.
+/// The control line, then each slot, starts with this many bytes of header:
+/// a sequence word (at 0), a tag (at 16) and a length (at 32); a slot's
+/// header also says on which CPU its writer wrote it (+1, at 8).
 const HEADER: usize = 64;
+const CPU: usize = 8;
+/// In the control line: the rank (+1) whose flag this rank sleeps on, and
+/// whether it left (its communicator was aborted or dropped).
+const SLEEPING_ON: usize = 4;
+const LEFT: usize = 12;
 
-/// One rank's segment, mapped.
+/// One rank's segment, mapped: its control line, then two slots.
 struct Segment {
     base: NonNull<u8>,
     len: usize,
@@ -64,9 +81,49 @@ impl Segment {
         })
     }
 
-    fn slot(&self, k: u64, slot_bytes: usize) -> *mut u8 {
-        // SAFETY: two slots of `slot_bytes` fill the segment.
-        unsafe { self.base.as_ptr().add((k % 2) as usize * slot_bytes) }
+    /// The control line: the last general-path collective, who we sleep on.
+    fn control(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Slot `k % 2`.
+    fn slot(&self, k: u32, slot_bytes: usize) -> *mut u8 {
+        // SAFETY: the control line and two slots of `slot_bytes` fill the segment.
+        unsafe { (self.base.as_ptr().add(HEADER)).add((k % 2) as usize * slot_bytes) }
+    }
+
+    /// The 32-bit word at `at` bytes into the header at `line`.
+    fn word<'a>(line: *mut u8, at: usize) -> &'a AtomicU32 {
+        // SAFETY: `line` starts a 64-byte header in a live, 64-byte aligned
+        // mapping; its words are only accessed atomically.
+        unsafe { AtomicU32::from_ptr(line.add(at).cast()) }
+    }
+
+    /// The tag and length written in the header at `line`.
+    ///
+    /// # Safety
+    /// Its writer must have published them (its sequence word, read with
+    /// acquire, says so).
+    unsafe fn label(line: *mut u8) -> (Tag, usize) {
+        // SAFETY: the caller's promise; within the header.
+        unsafe {
+            (
+                line.add(16).cast::<u128>().read_unaligned(),
+                line.add(32).cast::<u64>().read_unaligned() as usize,
+            )
+        }
+    }
+
+    /// Writes a header's tag and length (publish after).
+    ///
+    /// # Safety
+    /// `line` must be a header of our own segment no reader reads now.
+    unsafe fn write_label(line: *mut u8, tag: Tag, len: usize) {
+        // SAFETY: the caller's promise; within the header.
+        unsafe {
+            line.add(16).cast::<u128>().write_unaligned(tag);
+            line.add(32).cast::<u64>().write_unaligned(len as u64);
+        }
     }
 }
 
@@ -78,11 +135,26 @@ pub(crate) struct Tiny {
     pids: Vec<i32>,
     /// Largest data per call.
     pub max_bytes: usize,
-    /// Calls made: every rank makes the same ones.
-    calls: u64,
-    /// Rounds a wait spins before it yields: none when the host's ranks
-    /// outnumber its cores (a spinning rank then holds the core its peer needs).
-    spins: u32,
+    /// Flag calls made: every rank makes the same ones.
+    calls: u32,
+    /// The host's ranks outnumber its cores: a waiting rank yields.
+    pub crowded: bool,
+}
+
+/// A flag call in flight.
+pub(crate) struct FlagCall {
+    /// Its flag number, and the collective sequence number it has.
+    k: u32,
+    seq: u32,
+    tag: Tag,
+    len: usize,
+    /// Ranks below this one are reduced into the output.
+    next: Rank,
+}
+
+/// Whether `got` (a sequence word) has reached `want`, modulo 2^32.
+fn reached(got: u32, want: u32) -> bool {
+    got.wrapping_sub(want) as i32 >= 0
 }
 
 impl Tiny {
@@ -90,10 +162,14 @@ impl Tiny {
         (HEADER + max_bytes).next_multiple_of(64)
     }
 
+    fn segment_bytes(max_bytes: usize) -> usize {
+        HEADER + 2 * Self::slot_bytes(max_bytes)
+    }
+
     /// This rank's segment, and what peers need to open it: (pid, fd).
     pub fn create(max_bytes: usize) -> std::io::Result<(OwnedFd, [u64; 2])> {
         let fd = rustix::fs::memfd_create("coll-tiny", rustix::fs::MemfdFlags::CLOEXEC)?;
-        rustix::fs::ftruncate(&fd, 2 * Self::slot_bytes(max_bytes) as u64)?;
+        rustix::fs::ftruncate(&fd, Self::segment_bytes(max_bytes) as u64)?;
         let id = [u64::from(std::process::id()), fd.as_raw_fd() as u64];
         Ok((fd, id))
     }
@@ -105,7 +181,7 @@ impl Tiny {
         ids: &[[u64; 2]],
         max_bytes: usize,
     ) -> std::io::Result<Self> {
-        let len = 2 * Self::slot_bytes(max_bytes);
+        let len = Self::segment_bytes(max_bytes);
         let mut own = Some(own);
         let segments = (ids.iter().enumerate())
             .map(|(r, [pid, fd])| match r == me {
@@ -122,130 +198,216 @@ impl Tiny {
             pids: ids.iter().map(|[pid, _]| *pid as i32).collect(),
             max_bytes,
             calls: 0,
-            spins: match crate::communicator::oversubscribed(ids.len()) {
-                true => 0,
-                false => 2048,
-            },
+            crowded: crate::cpus::oversubscribed(ids.len()),
         })
     }
 
-    /// An AllReduce of `input` into `output` (equal lengths, at most
-    /// `max_bytes`; `None`: in place, `output` holds the input), or a
-    /// barrier with empty buffers. `tag` names the call for mismatch
-    /// errors; `check` is called while waiting, to give up (on abort, a
-    /// dead or departed peer, the timeout) with the error it returns.
-    #[allow(clippy::too_many_arguments)]
-    pub fn all_reduce(
-        &mut self,
-        input: Option<&[u8]>,
+    /// Whether a call of `collective` over `bytes` takes the flag path.
+    pub fn takes(&self, collective: Collective, bytes: usize) -> bool {
+        match collective {
+            Collective::AllReduce => (1..=self.max_bytes).contains(&bytes),
+            Collective::Barrier => true,
+            _ => false,
+        }
+    }
+
+    /// Starts a flag call: writes `input` into our slot and publishes it.
+    pub fn post(&mut self, desc: &CallDesc, input: &[u8]) -> FlagCall {
+        let k = self.calls;
+        self.calls = k.wrapping_add(1);
+        let sb = Self::slot_bytes(self.max_bytes);
+        let mine = self.segments[self.me].slot(k, sb);
+        let (tag, len) = (desc.tag(), input.len());
+        // SAFETY: our own slot: no reader looks at slot k % 2 until we
+        // publish k + 1 below, and none still reads it (module doc).
+        unsafe {
+            std::ptr::copy_nonoverlapping(input.as_ptr(), mine.add(HEADER), len);
+            Segment::write_label(mine, tag, len);
+        }
+        // SAFETY: no arguments; glibc reads it from the thread's rseq area.
+        let cpu = unsafe { libc::sched_getcpu() };
+        Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
+        Segment::word(mine, 0).store(k.wrapping_add(1), Ordering::SeqCst);
+        self.wake_sleepers(&[mine]);
+        FlagCall {
+            k,
+            seq: desc.seq,
+            tag,
+            len,
+            next: 0,
+        }
+    }
+
+    /// A collective of ours takes the general path: says so in our control
+    /// line, for a peer that waits on a flag for it.
+    pub fn mark_general(&mut self, desc: &CallDesc, bytes: usize) {
+        let line = self.segments[self.me].control();
+        // SAFETY: our own control line; a reader that sees the old number
+        // with new label bytes only misreports the other call's size.
+        unsafe { Segment::write_label(line, desc.tag(), bytes) };
+        Segment::word(line, 0).store(desc.seq.wrapping_add(1), Ordering::SeqCst);
+        let sb = Self::slot_bytes(self.max_bytes);
+        let own = &self.segments[self.me];
+        self.wake_sleepers(&[own.slot(0, sb), own.slot(1, sb)]);
+    }
+
+    /// Wakes every peer asleep on one of our `words` (after a SeqCst store:
+    /// a peer either saw it or said it sleeps before we look).
+    fn wake_sleepers(&self, words: &[*mut u8]) {
+        let me = self.me as u32 + 1;
+        let asleep = (self.segments.iter())
+            .any(|s| Segment::word(s.control(), SLEEPING_ON).load(Ordering::SeqCst) == me);
+        if asleep {
+            for w in words {
+                let _ = futex::wake(Segment::word(*w, 0), futex::Flags::empty(), i32::MAX as u32);
+            }
+        }
+    }
+
+    /// Reduces into `output` every rank's part that has arrived, in rank
+    /// order; returns whether the call is done. A peer whose part does not
+    /// match ours is a mismatch.
+    pub fn poll(
+        &self,
+        call: &mut FlagCall,
         output: &mut [u8],
         dtype: DataType,
         op: ReduceOp,
-        tag: Tag,
-        timeout: Duration,
-        check: &mut dyn FnMut(Rank) -> transport::Result<()>,
-    ) -> transport::Result<()> {
-        let k = self.calls;
-        self.calls += 1;
+    ) -> transport::Result<bool> {
         let sb = Self::slot_bytes(self.max_bytes);
-        let mine = self.segments[self.me].slot(k, sb);
-        let len = output.len();
-        let from = input.unwrap_or(output).as_ptr();
-        // SAFETY: our own slot: no reader looks at slot k % 2 until we
-        // publish k + 1 below, and none still reads it (module doc); `from`
-        // holds `len` bytes (the input is as long as the output).
-        unsafe {
-            std::ptr::copy_nonoverlapping(from, mine.add(HEADER), len);
-            mine.add(16).cast::<u128>().write_unaligned(tag);
-            mine.add(32).cast::<u64>().write_unaligned(len as u64);
-            seq(mine).store(k + 1, Ordering::Release);
-        }
-        for r in 0..self.segments.len() {
-            let slot = self.segments[r].slot(k, sb);
-            self.wait(r, slot, k + 1, timeout, check)?;
-            // SAFETY: rank r published call k: its header and data are
-            // written and stay so until we publish k + 1.
-            let (got_tag, got_len) = unsafe {
-                (
-                    slot.add(16).cast::<u128>().read_unaligned(),
-                    slot.add(32).cast::<u64>().read_unaligned() as usize,
-                )
-            };
-            if (got_tag, got_len) != (tag, len) {
-                return Err(transport::Error::Mismatch {
-                    peer: r,
-                    expected_tag: tag,
-                    expected_len: len,
-                    got_tag,
-                    got_len,
-                });
+        while call.next < self.segments.len() {
+            let r = call.next;
+            let slot = self.segments[r].slot(call.k, sb);
+            if !reached(
+                Segment::word(slot, 0).load(Ordering::Acquire),
+                call.k.wrapping_add(1),
+            ) {
+                return Ok(false);
             }
-            // SAFETY: as above; `got_len` bytes of data follow the header.
-            let data = unsafe { std::slice::from_raw_parts(slot.add(HEADER), got_len) };
+            // SAFETY: rank r published call k: its header and data are
+            // written and stay so until we publish call k + 1.
+            let (tag, len) = unsafe { Segment::label(slot) };
+            if (tag, len) != (call.tag, call.len) {
+                return Err(call.mismatch(r, tag, len));
+            }
+            // SAFETY: as above; `len` bytes of data follow the header.
+            let data = unsafe { std::slice::from_raw_parts(slot.add(HEADER), len) };
             match r {
                 0 => output.copy_from_slice(data),
                 _ => reduce::reduce_into(dtype, op, output, data),
             }
+            call.next += 1;
         }
         reduce::finalize(dtype, op, output, self.segments.len());
+        Ok(true)
+    }
+
+    /// The rank `call` waits on.
+    pub fn waiting_on(&self, call: &FlagCall) -> Rank {
+        call.next
+    }
+
+    /// Whether the rank `call` waits on last wrote on the CPU we run on: it
+    /// then needs our core to go on, and we should yield it.
+    pub fn shares_our_core(&self, call: &FlagCall) -> bool {
+        let sb = Self::slot_bytes(self.max_bytes);
+        let last = self.segments[call.next].slot(call.k.wrapping_sub(1), sb);
+        let theirs = Segment::word(last, CPU).load(Ordering::Relaxed);
+        // SAFETY: as in `post`.
+        let ours = unsafe { libc::sched_getcpu() };
+        theirs == ours.wrapping_add(1) as u32
+    }
+
+    /// What can be known of the rank `call` waits on without its flag: gone
+    /// (its process ended), or on the general path for this call.
+    pub fn check(&self, call: &FlagCall) -> transport::Result<()> {
+        let r = call.next;
+        let pid = rustix::process::Pid::from_raw(self.pids[r]);
+        let dead = pid
+            .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
+        let line = self.segments[r].control();
+        let left = Segment::word(line, LEFT).load(Ordering::Acquire) != 0;
+        let general = Segment::word(line, 0).load(Ordering::Acquire);
+        let general = general != 0 && reached(general.wrapping_sub(1), call.seq);
+        // The peer may have published this call, finished it and gone on
+        // (or away) since we last looked: its flag, written before, is
+        // visible now if so.
+        let sb = Self::slot_bytes(self.max_bytes);
+        let flag = Segment::word(self.segments[r].slot(call.k, sb), 0);
+        if reached(flag.load(Ordering::Acquire), call.k.wrapping_add(1)) {
+            return Ok(());
+        }
+        if dead || left {
+            return Err(transport::Error::Closed { peer: r });
+        }
+        if general {
+            // SAFETY: published with the sequence word read above.
+            let (tag, len) = unsafe { Segment::label(line) };
+            return Err(call.mismatch(r, tag, len));
+        }
         Ok(())
     }
 
-    /// Waits for rank `r`'s slot to show `want`: spinning, then yielding,
-    /// then short sleeps, asking `check` now and then.
-    fn wait(
-        &self,
-        r: Rank,
-        slot: *mut u8,
-        want: u64,
-        timeout: Duration,
-        check: &mut dyn FnMut(Rank) -> transport::Result<()>,
-    ) -> transport::Result<()> {
-        // SAFETY: the slot's first word, in a live mapping.
-        let seq = unsafe { seq(slot) };
-        let mut spins = 0u32;
-        let mut since: Option<Instant> = None;
-        while seq.load(Ordering::Acquire) < want {
-            spins += 1;
-            if spins < self.spins {
-                std::hint::spin_loop();
-                continue;
-            }
-            let since = *since.get_or_insert_with(Instant::now);
-            let waited = since.elapsed();
-            if spins % 64 == 0 {
-                check(r)?;
-                let pid = rustix::process::Pid::from_raw(self.pids[r]);
-                let gone = pid.is_some_and(|p| {
-                    rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH)
-                });
-                if gone {
-                    return Err(transport::Error::Closed { peer: r });
-                }
-                if waited >= timeout {
-                    return Err(transport::Error::Timeout {
-                        peer: r,
-                        waited,
-                        waiting_for: format!("its part of small call {}", want - 1),
-                    });
-                }
-            }
-            match waited < Duration::from_millis(1) {
-                true => std::thread::yield_now(),
-                false => std::thread::sleep(Duration::from_micros(50)),
-            }
+    /// Tells the peers we publish nothing more (our communicator was
+    /// aborted or dropped), waking any asleep on us.
+    pub fn leave(&self) {
+        let own = &self.segments[self.me];
+        Segment::word(own.control(), LEFT).store(1, Ordering::SeqCst);
+        let sb = Self::slot_bytes(self.max_bytes);
+        self.wake_sleepers(&[own.slot(0, sb), own.slot(1, sb)]);
+    }
+
+    /// Sleeps until the rank `call` waits on publishes (or writes its
+    /// control line), at most `max`.
+    pub fn sleep(&self, call: &FlagCall, max: Duration) {
+        let r = call.next;
+        let mine = Segment::word(self.segments[self.me].control(), SLEEPING_ON);
+        mine.store(r as u32 + 1, Ordering::SeqCst);
+        let word = Segment::word(
+            self.segments[r].slot(call.k, Self::slot_bytes(self.max_bytes)),
+            0,
+        );
+        let seen = word.load(Ordering::SeqCst);
+        if !reached(seen, call.k.wrapping_add(1)) && self.check(call).is_ok() {
+            let max = rustix::time::Timespec::try_from(max).unwrap_or(rustix::time::Timespec {
+                tv_sec: 1,
+                tv_nsec: 0,
+            });
+            // Woken, timed out or interrupted: the caller looks again.
+            let _ = futex::wait(word, futex::Flags::empty(), seen, Some(&max));
         }
-        Ok(())
+        mine.store(0, Ordering::SeqCst);
     }
 }
 
-/// The sequence word at the start of a slot.
-///
-/// # Safety
-/// `slot` must point into a live mapping, 8-byte aligned.
-unsafe fn seq<'a>(slot: *mut u8) -> &'a AtomicU64 {
-    // SAFETY: the caller's promise; the word is only accessed atomically.
-    unsafe { AtomicU64::from_ptr(slot.cast()) }
+impl Drop for Tiny {
+    fn drop(&mut self) {
+        self.leave();
+    }
+}
+
+impl FlagCall {
+    /// What the call waits on, for the status board: the flag of the rank
+    /// it reads next.
+    pub fn waiting(&self) -> crate::executor::Waiting {
+        crate::executor::Waiting {
+            peer: self.next,
+            send: false,
+            index: 1,
+            of: 1,
+            bytes: self.len,
+        }
+    }
+
+    fn mismatch(&self, peer: Rank, got_tag: Tag, got_len: usize) -> transport::Error {
+        transport::Error::Mismatch {
+            peer,
+            expected_tag: self.tag,
+            expected_len: self.len,
+            got_tag,
+            got_len,
+        }
+    }
 }
 
 /// Whether a communicator uses the small-call path.
@@ -253,7 +415,7 @@ pub(crate) enum State {
     /// Not (turned off, or some rank is reached otherwise than by shared
     /// memory): every rank of a job decides the same.
     Off,
-    /// Set up at the first call it applies to (every rank makes that call).
+    /// Set up when the communicator is made.
     Untried,
     On(Tiny),
 }
@@ -266,43 +428,36 @@ impl State {
             false => State::Off,
         }
     }
+
+    pub fn on(&self) -> Option<&Tiny> {
+        match self {
+            State::On(t) => Some(t),
+            _ => None,
+        }
+    }
+
+    pub fn on_mut(&mut self) -> Option<&mut Tiny> {
+        match self {
+            State::On(t) => Some(t),
+            _ => None,
+        }
+    }
 }
 
 impl Communicator {
-    /// Runs an AllReduce of at most `COLL_TINY` bytes or a barrier by the
-    /// flag path, when the communicator has one; `None`: the general path.
-    pub(crate) fn try_tiny(
-        &mut self,
-        args: &CallArgs,
-        input: Option<&[u8]>,
-        output: &mut [u8],
-    ) -> Option<Result<()>> {
+    /// Every rank creates its segment and opens the others'; on only if
+    /// all could. Every rank calls this once, when the communicator is made.
+    pub(crate) fn set_up_tiny(&mut self) -> Result<()> {
+        if !matches!(self.tiny, State::Untried) {
+            return Ok(());
+        }
         let max = self.config.tiny_bytes;
-        // An empty AllReduce is no call at all (as on the general path).
-        let applies = match args.collective {
-            Collective::AllReduce => (1..=max).contains(&output.len()),
-            Collective::Barrier => true,
-            _ => false,
-        };
-        let applies = applies && !matches!(self.tiny, State::Off);
-        if !applies || self.aborted().is_some() {
-            return None;
-        }
-        if matches!(self.tiny, State::Untried) {
-            if let Err(e) = self.set_up_tiny(max) {
-                return Some(Err(e));
-            }
-            if matches!(self.tiny, State::Off) {
-                return None;
-            }
-        }
-        Some(self.run_tiny(args, input, output))
-    }
-
-    /// Every rank creates its segment and opens the others'; on only if all could.
-    fn set_up_tiny(&mut self, max: usize) -> Result<()> {
-        // The calls below take the general path.
+        // The calls below take the general path, and leave the numbering of
+        // the caller's calls alone (every rank makes both, and each
+        // connection delivers in order: no message of theirs can be taken
+        // for one of a later call #0 or #1).
         self.tiny = State::Off;
+        let seq = self.seq;
         let created = Tiny::create(max);
         let mine = created.as_ref().map_or([0, 0], |(_, id)| *id);
         let mut ids = vec![0u64; 2 * self.size];
@@ -314,54 +469,14 @@ impl Communicator {
         }
         let mut all = [u64::from(opened.is_ok())];
         self.all_reduce_in_place(&mut all, ReduceOp::Min)?;
+        self.seq = seq;
         if let (Ok(t), 1) = (opened, all[0]) {
-            tracing::info!(
+            tracing::debug!(
                 rank = self.rank,
                 "COLL_TINY: AllReduces up to {max} B and barriers go through shared flags"
             );
             self.tiny = State::On(t);
         }
         Ok(())
-    }
-
-    fn run_tiny(&mut self, args: &CallArgs, input: Option<&[u8]>, output: &mut [u8]) -> Result<()> {
-        let rank = self.rank;
-        let desc = self.describe(args, input, output)?;
-        // Earlier collectives finish first: calls keep their order.
-        self.finish_collectives();
-        let slot = self.recorder.start(desc, None, output.len());
-        self.recorder.running(slot, "tiny", output.len());
-        let State::On(mut tiny) = std::mem::replace(&mut self.tiny, State::Off) else {
-            unreachable!("checked by try_tiny")
-        };
-        let (timeout, abort) = (self.config.timeout, &self.abort);
-        let lane = &mut self.lanes[crate::mesh::Lane::Collective as usize];
-        let mut check = |peer: Rank| -> transport::Result<()> {
-            if let Some(reason) = abort.reason() {
-                return Err(transport::Error::Aborted { peer, reason });
-            }
-            // A peer's abort or death shows on its connection.
-            match lane.get_mut(peer).and_then(|c| c.as_mut()) {
-                Some(c) => c.progress().map(|_| ()),
-                None => Ok(()),
-            }
-        };
-        let op = args.op.unwrap_or(ReduceOp::Sum);
-        let result = tiny.all_reduce(
-            input,
-            output,
-            args.dtype,
-            op,
-            desc.tag(),
-            timeout,
-            &mut check,
-        );
-        self.tiny = State::On(tiny);
-        self.recorder.finished(slot, result.is_ok());
-        result.map_err(|e| {
-            let e = Error::collective(rank, desc, e);
-            self.close(&crate::inflight::root_cause(&e));
-            e
-        })
     }
 }

@@ -31,6 +31,17 @@ pub struct Poller {
     spinning: bool,
 }
 
+/// An idle round's part in a wait (see [`Poller`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    Spin,
+    Yield,
+    /// Sleep at most this long.
+    Sleep(Duration),
+    /// Nothing moved for the timeout.
+    Expired,
+}
+
 /// While spinning, the clock is read every this many idle rounds: a read
 /// costs about as much as a whole round over shared memory.
 const SPIN_CLOCK_EVERY: u32 = 16;
@@ -97,21 +108,32 @@ impl Poller {
         extra: impl IntoIterator<Item = BorrowedFd<'e>>,
         timeout: Duration,
     ) -> Result<bool> {
+        match self.phase(timeout) {
+            Phase::Expired => return Ok(false),
+            Phase::Spin => std::hint::spin_loop(),
+            Phase::Yield => std::thread::yield_now(),
+            Phase::Sleep(most) => sleep_until_ready(conns, extra, most)?,
+        }
+        Ok(true)
+    }
+
+    /// What an idle round does now, for a caller that waits its own way
+    /// (on a futex, say): [`idle`](Self::idle)'s decision without the wait.
+    pub fn phase(&mut self, timeout: Duration) -> Phase {
         let now = Instant::now();
         let idle = now - *self.idle_since.get_or_insert(now);
         if idle >= timeout {
-            return Ok(false);
+            return Phase::Expired;
         }
         self.spinning = idle < self.spin;
         if self.spinning {
-            std::hint::spin_loop();
+            Phase::Spin
         } else if idle < self.patience {
-            std::thread::yield_now();
+            Phase::Yield
         } else {
             self.asleep = true;
-            sleep_until_ready(conns, extra, (timeout - idle).min(Self::MAX_SLEEP))?;
+            Phase::Sleep((timeout - idle).min(Self::MAX_SLEEP))
         }
-        Ok(true)
     }
 
     /// How long the loop has been idle (zero while busy).

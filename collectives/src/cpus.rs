@@ -1,0 +1,75 @@
+//! How many cores the ranks of one host share: whether waiting ranks may
+//! spin (each has a core) or must yield (they outnumber the cores).
+//!
+//! Not the process's own affinity: a launcher that binds each rank to one
+//! core (mpirun's default, `collbench --bind core`) leaves every rank an
+//! affinity of one core, and ranks bound apart do not crowd each other.
+//! The job's share of the host is its cpuset (a container's, a Slurm
+//! allocation's), else every online CPU.
+
+use std::sync::OnceLock;
+
+/// Whether `local_ranks` ranks on this host outnumber its cores.
+pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
+    local_ranks > host_cores()
+}
+
+/// The cores this job's ranks on this host may use (read once).
+pub(crate) fn host_cores() -> usize {
+    static CORES: OnceLock<usize> = OnceLock::new();
+    *CORES.get_or_init(|| {
+        let counted = cgroup_cpuset()
+            .or_else(|| read_list("/sys/devices/system/cpu/online"))
+            .filter(|n| *n > 0);
+        let own = std::thread::available_parallelism().map_or(1, |c| c.get());
+        counted.unwrap_or(own).max(own)
+    })
+}
+
+/// The CPUs of our cgroup's cpuset (cgroup v2, else v1), if it has one.
+fn cgroup_cpuset() -> Option<usize> {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    groups.lines().find_map(|line| {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        match controllers {
+            "" => read_list(&format!("/sys/fs/cgroup/{path}/cpuset.cpus.effective")),
+            c if c.split(',').any(|c| c == "cpuset") => read_list(&format!(
+                "/sys/fs/cgroup/cpuset/{path}/cpuset.effective_cpus"
+            )),
+            _ => None,
+        }
+    })
+}
+
+/// The number of CPUs in a kernel CPU list file ("0-3,8,10-11").
+fn read_list(path: &str) -> Option<usize> {
+    count_list(std::fs::read_to_string(path).ok()?.trim())
+}
+
+fn count_list(list: &str) -> Option<usize> {
+    if list.is_empty() {
+        return None;
+    }
+    list.split(',').try_fold(0, |n, range| {
+        let (a, b) = range.split_once('-').unwrap_or((range, range));
+        let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        Some(n + b.checked_sub(a)? + 1)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_are_counted() {
+        assert_eq!(count_list("0-1"), Some(2));
+        assert_eq!(count_list("0-3,8,10-11"), Some(7));
+        assert_eq!(count_list("5"), Some(1));
+        assert_eq!(count_list(""), None);
+        assert_eq!(count_list("3-1"), None);
+        assert!(host_cores() >= 1);
+    }
+}
