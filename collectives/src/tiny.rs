@@ -43,6 +43,9 @@ use crate::{Communicator, DataType, ReduceOp, Result};
 /// header also says on which CPU its writer wrote it (+1, at 8).
 const HEADER: usize = 64;
 const CPU: usize = 8;
+/// A slot's data follows its header in the same cache line: a reader of a
+/// small call fetches one line per rank, not two.
+const DATA: usize = 40;
 /// In the control line: the rank (+1) whose flag this rank sleeps on, and
 /// whether it left (its communicator was aborted or dropped).
 const SLEEPING_ON: usize = 4;
@@ -159,7 +162,7 @@ fn reached(got: u32, want: u32) -> bool {
 
 impl Tiny {
     fn slot_bytes(max_bytes: usize) -> usize {
-        (HEADER + max_bytes).next_multiple_of(64)
+        (DATA + max_bytes).next_multiple_of(64)
     }
 
     fn segment_bytes(max_bytes: usize) -> usize {
@@ -221,7 +224,7 @@ impl Tiny {
         // SAFETY: our own slot: no reader looks at slot k % 2 until we
         // publish k + 1 below, and none still reads it (module doc).
         unsafe {
-            std::ptr::copy_nonoverlapping(input.as_ptr(), mine.add(HEADER), len);
+            std::ptr::copy_nonoverlapping(input.as_ptr(), mine.add(DATA), len);
             Segment::write_label(mine, tag, len);
         }
         // SAFETY: no arguments; glibc reads it from the thread's rseq area.
@@ -291,7 +294,7 @@ impl Tiny {
                 return Err(call.mismatch(r, tag, len));
             }
             // SAFETY: as above; `len` bytes of data follow the header.
-            let data = unsafe { std::slice::from_raw_parts(slot.add(HEADER), len) };
+            let data = unsafe { std::slice::from_raw_parts(slot.add(DATA), len) };
             match r {
                 0 => output.copy_from_slice(data),
                 _ => reduce::reduce_into(dtype, op, output, data),
