@@ -181,9 +181,8 @@ pub struct BenchArgs {
     pub oversubscribe: bool,
 
     /// With -n: bind rank i to the i-th core this process may use ("core",
-    /// when there are enough), or leave ranks to the scheduler ("none": as
-    /// fast on an idle machine, far faster when other work shares a core)
-    /// [default: COLL_BIND, else none]
+    /// when there are enough; as mpirun does), or leave ranks to the
+    /// scheduler ("none") [default: COLL_BIND, else core]
     #[arg(long, value_parser = ["core", "none"])]
     pub bind: Option<String>,
 }

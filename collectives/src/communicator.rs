@@ -3,9 +3,9 @@
 //! execute). The typed calls are in `calls.rs`, splitting in `split.rs`.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use transport::{Listener, Poller, Rank, RegistrationCache, Transport};
+use transport::{Listener, Rank, RegistrationCache, Transport};
 
 use crate::abort::{AbortFlag, AbortHandle};
 use crate::algo::Algorithm;
@@ -185,10 +185,7 @@ impl Communicator {
                 "launcher says local rank {local_rank_hint:?}, the rendezvous says {local_rank}"
             );
         }
-        let spin = match crate::cpus::oversubscribed(local_ranks.len()) {
-            true => Duration::ZERO,
-            false => Poller::DEFAULT_SPIN,
-        };
+        let spin = crate::cpus::spin(local_ranks.len());
         let size = table.peers.len();
         mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(

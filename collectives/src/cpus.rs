@@ -8,10 +8,28 @@
 //! allocation's), else every online CPU.
 
 use std::sync::OnceLock;
+use std::time::Duration;
+
+use transport::Poller;
 
 /// Whether `local_ranks` ranks on this host outnumber its cores.
 pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
     local_ranks > host_cores()
+}
+
+/// How long an idle rank spins before it yields ([`Poller`]'s phases):
+/// not at all when ranks outnumber cores; through the whole patience when
+/// the rank is bound to a core of its own (a yield would only hand that
+/// core to whatever other work shares it, for a whole time slice, while no
+/// peer of ours can be waiting for it); a few microseconds otherwise (the
+/// scheduler may have put a peer on our core).
+pub(crate) fn spin(local_ranks: usize) -> Duration {
+    let bound = rustix::thread::sched_getaffinity(None).is_ok_and(|s| s.count() == 1);
+    match (oversubscribed(local_ranks), bound) {
+        (true, _) => Duration::ZERO,
+        (false, true) => Poller::DEFAULT_PATIENCE,
+        (false, false) => Poller::DEFAULT_SPIN,
+    }
 }
 
 /// The cores this job's ranks on this host may use (read once).

@@ -429,9 +429,9 @@ impl Communicator {
         // writer, a convoy. Yielding would hand a core shared with other
         // work to that work for a whole time slice: only a rank whose peer
         // needs its core (ranks outnumber cores, or the scheduler put both
-        // on one) yields.
+        // on one) yields, and at once.
         match phase {
-            Phase::Yield if tiny.crowded || tiny.shares_our_core(flags) => {
+            Phase::Spin | Phase::Yield if tiny.crowded || tiny.shares_our_core(flags) => {
                 return std::thread::yield_now()
             }
             Phase::Spin | Phase::Yield => return std::hint::spin_loop(),

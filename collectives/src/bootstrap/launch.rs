@@ -35,12 +35,16 @@ pub enum Bind {
 }
 
 impl Bind {
-    /// Measured on 2 cores, 2 ranks, AllReduce (medians of 3): idle, binding
-    /// changes nothing (8 B 1.13 vs 0.93 us, 16 MiB 7.78 vs 7.52 GB/s); with
-    /// one busy loop pinned to core 1, the rank bound there waits for the
-    /// scheduler's slices: 8 B 2000 us bound vs 8.2 unbound, 1 MiB 0.19 vs
-    /// 6.1 GB/s. A training host is never idle: leave ranks unbound.
-    pub const DEFAULT: Bind = Bind::None;
+    /// Measured on 2 cores, 2 ranks, AllReduce over shared memory (medians
+    /// of 3, time per call), bound vs unbound: idle, the same (8 B 0.31 vs
+    /// 0.31 us, 1 MiB 72 vs 108 us); with a busy loop pinned to core 1,
+    /// bound 8 B 0.33 us, 4 KiB 1.5, 1 MiB 181, 16 MiB 5637; unbound 2.5,
+    /// 3.1, 247, 4756: the scheduler puts both unbound ranks on the free
+    /// core, where each call waits for a switch between them, while a bound
+    /// rank sharing its core with the busy loop gets half of it in long
+    /// slices. (Before a bound rank spun instead of yielding, bound was the
+    /// collapse: 2000 us at 8 B.)
+    pub const DEFAULT: Bind = Bind::Core;
 
     /// `core` or `none`.
     pub fn parse(s: &str) -> Result<Self, String> {
