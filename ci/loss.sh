@@ -71,7 +71,7 @@ pair() {
   local one=$! status=0
   env "${env[@]}" RANK=0 COLL_SOCKET_IFNAME=vethA "$bench" "$@" --json "$json" >/dev/null 2>"$out/rank0.log" || status=$?
   wait $one || status=$?
-  [ $status = 0 ] || { tail -5 "$out"/rank*.log; echo "loss.sh: failed: $*" >&2; return 1; }
+  [ $status = 0 ] || { tail -n 5 "$out"/rank*.log; echo "loss.sh: failed: $*" >&2; return 1; }
 }
 
 setup
@@ -135,7 +135,7 @@ for r in 0 1; do
   if grep -E "^collbench: rank $r: .*retries exhausted: no acknowledgement from peer rank $p" "$out/rank$r.log" >/dev/null; then
     exhausted=$((exhausted + 1))
   elif ! grep -E "^collbench: rank $r: .*(timed out .* peer rank $p .*root cause: rank $p did not answer|peer rank $p closed the connection)" "$out/rank$r.log" >/dev/null; then
-    tail -5 "$out/rank$r.log"
+    tail -n 5 "$out/rank$r.log"
     echo "loss.sh: rank $r failed without naming rank $p as unreachable" >&2
     exit 1
   fi

@@ -302,13 +302,13 @@ impl Communicator {
             let call = &mut self.inflight.calls[at];
             if let State::Flags(flags) = &mut call.state {
                 let tiny = self.tiny.on().expect("a flag call has the flag path");
-                let (before, desc) = (tiny.waiting_on(flags), call.desc);
+                let (before, desc) = (flags.peer(), call.desc);
                 // SAFETY: the caller's buffer, reserved for this call.
                 let out = unsafe { call.output.bytes_mut() };
                 let op = desc.op.unwrap_or(ReduceOp::Sum);
                 match tiny.poll(flags, out, desc.dtype, op) {
                     Ok(true) => self.finish(at, Ok(())),
-                    Ok(false) if tiny.waiting_on(flags) == before => continue,
+                    Ok(false) if flags.peer() == before => continue,
                     Ok(false) => {}
                     Err(e) => {
                         self.fail(at, Error::collective(self.rank, desc, e));
@@ -437,7 +437,7 @@ impl Communicator {
             Phase::Spin | Phase::Yield => return std::hint::spin_loop(),
             Phase::Sleep(_) | Phase::Expired => {}
         }
-        let (desc, peer) = (call.desc, tiny.waiting_on(flags));
+        let (desc, peer) = (call.desc, flags.peer());
         let checked = tiny.check(flags);
         // A peer's abort shows on its connection, with its reason (read
         // after the check: a peer that left aborted its connections first).
@@ -711,7 +711,7 @@ impl Communicator {
         let Some(tiny) = self.tiny.on_mut() else {
             return false;
         };
-        let bytes = call.output.len;
+        let bytes = call.input.map_or(0, |b| b.len).max(call.output.len);
         if call.desc.collective == Collective::PointToPoint {
             return false;
         }
@@ -719,10 +719,9 @@ impl Communicator {
             tiny.mark_general(&call.desc, bytes);
             return false;
         }
-        // SAFETY: the caller's buffers, reserved for this call (in place:
-        // the output holds the input).
-        let input = unsafe { call.input.unwrap_or(call.output).bytes() };
-        call.state = State::Flags(tiny.post(&call.desc, input));
+        // SAFETY: the caller's buffers, reserved for this call.
+        let (input, output) = unsafe { (call.input.map(|b| b.bytes()), call.output.bytes()) };
+        call.state = State::Flags(tiny.post(&call.desc, input, output));
         self.recorder.running(call.slot, "tiny", bytes);
         true
     }

@@ -1,22 +1,26 @@
-//! Small AllReduces and barriers among the ranks of one host, without
-//! messages (`COLL_TINY=BYTES`): each rank owns a small shared segment of
-//! two slots; a call writes the rank's input into slot `k % 2` with the
-//! call's tag and publishes `k + 1`, then reads every rank's slot and
-//! reduces them in rank order (every rank's result bitwise the same). No
-//! schedule, no staging, no doorbell: one pass, as Open MPI's coll/sm and
-//! NCCL's LL protocol do.
+//! Small collectives among the ranks of one host, without messages
+//! (`COLL_TINY=BYTES`): AllReduce, Reduce, ReduceScatter, AllGather and
+//! Broadcast whose larger buffer is at most BYTES, and every barrier. Each
+//! rank owns a small shared segment of two slots; flag call `k` writes the
+//! rank's part (its input; its block of an AllGather; nothing off a
+//! Broadcast's root) into slot `k % 2` with the call's tag and publishes
+//! `k + 1`, then reads every rank's slot in rank order and takes what it
+//! needs: reduces them (every rank's result bitwise the same), copies a
+//! block, copies the root's. No schedule, no staging, no doorbell: one pass,
+//! as Open MPI's coll/sm and NCCL's LL protocol do.
 //!
 //! A flag call is an ordinary call in flight (`inflight.rs`): blocking and
 //! non-blocking callers both take it, it runs in its turn on the collective
 //! lane, and a waiting rank polls, then sleeps on a futex the writer wakes.
 //!
-//! Two slots are enough: a rank writes slot `k % 2` again only for flag
-//! call `k + 2`, after it saw every rank publish call `k + 1`, which each
-//! did only after reading every slot of call `k`. Calls on the general path
-//! in between take no flag number.
+//! Two slots are enough because every rank waits for every flag, whatever
+//! it reads: a rank writes slot `k % 2` again only for flag call `k + 2`,
+//! after it saw every rank publish call `k + 1`, which each did only after
+//! reading every slot of call `k`. Calls on the general path in between
+//! take no flag number.
 //!
 //! Ranks that disagree on the path (one rank's AllReduce is larger than the
-//! threshold, another's is not; a barrier against a broadcast) would wait
+//! threshold, another's is not; a barrier against an AllToAll) would wait
 //! for each other forever: every collective that takes the general path
 //! leaves its sequence number and tag in its rank's control line, and a rank
 //! waiting on a flag it never gets reads that and fails with a mismatch.
@@ -150,8 +154,14 @@ pub(crate) struct FlagCall {
     k: u32,
     seq: u32,
     tag: Tag,
-    len: usize,
-    /// Ranks below this one are reduced into the output.
+    collective: Collective,
+    /// Its larger buffer, in bytes.
+    bytes: usize,
+    root: Rank,
+    in_place: bool,
+    /// The ranks of the communicator.
+    n: usize,
+    /// Ranks below this one were taken (reduced, copied) into the output.
     next: Rank,
 }
 
@@ -205,40 +215,49 @@ impl Tiny {
         })
     }
 
-    /// Whether a call of `collective` over `bytes` takes the flag path.
+    /// Whether a call of `collective` whose larger buffer has `bytes`
+    /// takes the flag path.
     pub fn takes(&self, collective: Collective, bytes: usize) -> bool {
+        use Collective::*;
         match collective {
-            Collective::AllReduce => (1..=self.max_bytes).contains(&bytes),
-            Collective::Barrier => true,
-            _ => false,
+            AllReduce | Reduce | ReduceScatter | AllGather | Broadcast => {
+                (1..=self.max_bytes).contains(&bytes)
+            }
+            Barrier => true,
+            AllToAll | AllToAllV | PointToPoint => false,
         }
     }
 
-    /// Starts a flag call: writes `input` into our slot and publishes it.
-    pub fn post(&mut self, desc: &CallDesc, input: &[u8]) -> FlagCall {
+    /// Starts a flag call: writes our part into our slot and publishes it.
+    pub fn post(&mut self, desc: &CallDesc, input: Option<&[u8]>, output: &[u8]) -> FlagCall {
         let k = self.calls;
         self.calls = k.wrapping_add(1);
+        let call = FlagCall {
+            k,
+            seq: desc.seq,
+            tag: desc.tag(),
+            collective: desc.collective,
+            bytes: input.map_or(0, <[u8]>::len).max(output.len()),
+            root: desc.root.map_or(0, usize::from),
+            in_place: input.is_none(),
+            n: self.segments.len(),
+            next: 0,
+        };
+        let part = call.own_part(self.me, input, output);
         let sb = Self::slot_bytes(self.max_bytes);
         let mine = self.segments[self.me].slot(k, sb);
-        let (tag, len) = (desc.tag(), input.len());
         // SAFETY: our own slot: no reader looks at slot k % 2 until we
         // publish k + 1 below, and none still reads it (module doc).
         unsafe {
-            std::ptr::copy_nonoverlapping(input.as_ptr(), mine.add(DATA), len);
-            Segment::write_label(mine, tag, len);
+            std::ptr::copy_nonoverlapping(part.as_ptr(), mine.add(DATA), part.len());
+            Segment::write_label(mine, call.tag, part.len());
         }
         // SAFETY: no arguments; glibc reads it from the thread's rseq area.
         let cpu = unsafe { libc::sched_getcpu() };
         Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
         Segment::word(mine, 0).store(k.wrapping_add(1), Ordering::SeqCst);
         self.wake_sleepers(&[mine]);
-        FlagCall {
-            k,
-            seq: desc.seq,
-            tag,
-            len,
-            next: 0,
-        }
+        call
     }
 
     /// A collective of ours takes the general path: says so in our control
@@ -267,7 +286,7 @@ impl Tiny {
         }
     }
 
-    /// Reduces into `output` every rank's part that has arrived, in rank
+    /// Takes into `output` every rank's part that has arrived, in rank
     /// order; returns whether the call is done. A peer whose part does not
     /// match ours is a mismatch.
     pub fn poll(
@@ -278,7 +297,7 @@ impl Tiny {
         op: ReduceOp,
     ) -> transport::Result<bool> {
         let sb = Self::slot_bytes(self.max_bytes);
-        while call.next < self.segments.len() {
+        while call.next < call.n {
             let r = call.next;
             let slot = self.segments[r].slot(call.k, sb);
             if !reached(
@@ -290,24 +309,18 @@ impl Tiny {
             // SAFETY: rank r published call k: its header and data are
             // written and stay so until we publish call k + 1.
             let (tag, len) = unsafe { Segment::label(slot) };
-            if (tag, len) != (call.tag, call.len) {
+            if (tag, len) != (call.tag, call.part_len(r)) {
                 return Err(call.mismatch(r, tag, len));
             }
             // SAFETY: as above; `len` bytes of data follow the header.
             let data = unsafe { std::slice::from_raw_parts(slot.add(DATA), len) };
-            match r {
-                0 => output.copy_from_slice(data),
-                _ => reduce::reduce_into(dtype, op, output, data),
-            }
+            call.take(self.me, r, data, output, dtype, op);
             call.next += 1;
         }
-        reduce::finalize(dtype, op, output, self.segments.len());
+        if let Some(result) = call.reduced(self.me, output) {
+            reduce::finalize(dtype, op, result, call.n);
+        }
         Ok(true)
-    }
-
-    /// The rank `call` waits on.
-    pub fn waiting_on(&self, call: &FlagCall) -> Rank {
-        call.next
     }
 
     /// Whether the rank `call` waits on last wrote on the CPU we run on: it
@@ -390,6 +403,63 @@ impl Drop for Tiny {
 }
 
 impl FlagCall {
+    /// The rank whose flag the call waits on.
+    pub fn peer(&self) -> Rank {
+        self.next
+    }
+
+    /// How many bytes rank `r` publishes: the tag fixes every rank's.
+    fn part_len(&self, r: Rank) -> usize {
+        match self.collective {
+            Collective::AllGather => self.bytes / self.n,
+            Collective::Broadcast if r == self.root => self.bytes,
+            Collective::Broadcast | Collective::Barrier => 0,
+            _ => self.bytes,
+        }
+    }
+
+    /// What rank `me` publishes: its input, its block of an in-place
+    /// AllGather, nothing off a broadcast's root.
+    fn own_part<'a>(&self, me: Rank, input: Option<&'a [u8]>, output: &'a [u8]) -> &'a [u8] {
+        let len = self.part_len(me);
+        match (self.collective, input) {
+            (Collective::AllGather, None) => &output[me * len..][..len],
+            (_, input) => &input.unwrap_or(output)[..len],
+        }
+    }
+
+    /// Takes rank `r`'s part, `data`, into `output` (ours, `me`'s).
+    fn take(&self, me: Rank, r: Rank, data: &[u8], output: &mut [u8], dt: DataType, op: ReduceOp) {
+        let block = self.bytes / self.n;
+        let combine = |dst: &mut [u8], src: &[u8]| match r {
+            0 => dst.copy_from_slice(src),
+            _ => reduce::reduce_into(dt, op, dst, src),
+        };
+        match self.collective {
+            Collective::AllReduce => combine(output, data),
+            Collective::Reduce if me == self.root => combine(output, data),
+            Collective::ReduceScatter => {
+                let src = &data[me * block..][..block];
+                combine(self.reduced(me, output).expect("reduces"), src)
+            }
+            Collective::AllGather => output[r * block..][..block].copy_from_slice(data),
+            Collective::Broadcast if r == self.root => output.copy_from_slice(data),
+            _ => {}
+        }
+    }
+
+    /// Where `me`'s reduction result lies in `output`, if it has one.
+    fn reduced<'a>(&self, me: Rank, output: &'a mut [u8]) -> Option<&'a mut [u8]> {
+        let block = self.bytes / self.n;
+        match self.collective {
+            Collective::AllReduce => Some(output),
+            Collective::Reduce if me == self.root => Some(output),
+            Collective::ReduceScatter if self.in_place => Some(&mut output[me * block..][..block]),
+            Collective::ReduceScatter => Some(output),
+            _ => None,
+        }
+    }
+
     /// What the call waits on, for the status board: the flag of the rank
     /// it reads next.
     pub fn waiting(&self) -> crate::executor::Waiting {
@@ -398,7 +468,7 @@ impl FlagCall {
             send: false,
             index: 1,
             of: 1,
-            bytes: self.len,
+            bytes: self.bytes,
         }
     }
 
@@ -406,7 +476,7 @@ impl FlagCall {
         transport::Error::Mismatch {
             peer,
             expected_tag: self.tag,
-            expected_len: self.len,
+            expected_len: self.part_len(peer),
             got_tag,
             got_len,
         }
@@ -476,7 +546,7 @@ impl Communicator {
         if let (Ok(t), 1) = (opened, all[0]) {
             tracing::debug!(
                 rank = self.rank,
-                "COLL_TINY: AllReduces up to {max} B and barriers go through shared flags"
+                "COLL_TINY: collectives up to {max} B and barriers go through shared flags"
             );
             self.tiny = State::On(t);
         }
