@@ -173,11 +173,13 @@ fn small_calls_through_shared_flags_fail_with_the_peer_named() {
     assert_named(&r, &[0, 2, 3], "allreduce #");
     assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
     assert_all_gone(&r);
-    let r = job_with(3, &["mismatch", "count"], "shm", "10", &tiny);
-    assert!(!r.ok);
-    assert!(r.stderr.contains("disagree"), "{}", r.stderr);
-    assert!(r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
-    assert_all_gone(&r);
+    for kind in ["count", "root"] {
+        let r = job_with(3, &["mismatch", kind], "shm", "10", &tiny);
+        assert!(!r.ok, "{kind}");
+        assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);
+        assert!(r.elapsed < Duration::from_secs(8), "took {:?}", r.elapsed);
+        assert_all_gone(&r);
+    }
     // Rank 1's 4092 bytes take the flag path, the others' 4096 do not: the
     // rank waiting on a flag reads that its peer went the general way.
     let r = job_with(
