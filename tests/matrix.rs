@@ -109,7 +109,7 @@ fn five_ranks_shm_tree_small_chunks() {
     matrix_with(5, "4K", "shm", &[TREE, NO_FLAGS]);
 }
 
-// Over shared memory, small collectives (all but AllToAll) and barriers take the flag path
+// Over shared memory, small collectives (all but AllToAllv) and barriers take the flag path
 // (COLL_TINY, 4 KiB by default): a forced algorithm is tested at every size
 // with it off, and one case moves the threshold so that flag calls and
 // general ones alternate within a run.

@@ -35,7 +35,7 @@ pub struct Config {
     pub transport: String,
     pub tcp: TcpOptions,
     pub shm: ShmOptions,
-    /// AllReduces, Reduces, ReduceScatters, AllGathers and Broadcasts whose
+    /// AllReduces, Reduces, ReduceScatters, AllGathers, AllToAlls and Broadcasts whose
     /// larger buffer has up to this many bytes, and barriers, among ranks of
     /// one host take the flag path (`tiny.rs`); 0: never.
     pub tiny_bytes: usize,

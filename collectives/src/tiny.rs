@@ -1,12 +1,14 @@
 //! Small collectives among the ranks of one host, without messages
-//! (`COLL_TINY=BYTES`): AllReduce, Reduce, ReduceScatter, AllGather and
-//! Broadcast whose larger buffer is at most BYTES, and every barrier. Each
+//! (`COLL_TINY=BYTES`): AllReduce, Reduce, ReduceScatter, AllGather,
+//! AllToAll and Broadcast whose larger buffer is at most BYTES, and every
+//! barrier. Each
 //! rank owns a small shared segment of two slots; flag call `k` writes the
 //! rank's part (its input; its block of an AllGather; nothing off a
 //! Broadcast's root) into slot `k % 2` with the call's tag and publishes
 //! `k + 1`, then reads every rank's slot in rank order and takes what it
 //! needs: reduces them (every rank's result bitwise the same), copies a
-//! block, copies the root's. No schedule, no staging, no doorbell: one pass,
+//! block (its own block of every rank's, for an AllToAll), copies the
+//! root's. No schedule, no staging, no doorbell: one pass,
 //! as Open MPI's coll/sm and NCCL's LL protocol do.
 //!
 //! A flag call is an ordinary call in flight (`inflight.rs`): blocking and
@@ -20,7 +22,7 @@
 //! take no flag number.
 //!
 //! Ranks that disagree on the path (one rank's AllReduce is larger than the
-//! threshold, another's is not; a barrier against an AllToAll) would wait
+//! threshold, another's is not; a barrier against an AllToAllv) would wait
 //! for each other forever: every collective that takes the general path
 //! leaves its sequence number and tag in its rank's control line, and a rank
 //! waiting on a flag it never gets reads that and fails with a mismatch.
@@ -220,11 +222,11 @@ impl Tiny {
     pub fn takes(&self, collective: Collective, bytes: usize) -> bool {
         use Collective::*;
         match collective {
-            AllReduce | Reduce | ReduceScatter | AllGather | Broadcast => {
+            AllReduce | Reduce | ReduceScatter | AllGather | Broadcast | AllToAll => {
                 (1..=self.max_bytes).contains(&bytes)
             }
             Barrier => true,
-            AllToAll | AllToAllV | PointToPoint => false,
+            AllToAllV | PointToPoint => false,
         }
     }
 
@@ -443,6 +445,9 @@ impl FlagCall {
                 combine(self.reduced(me, output).expect("reduces"), src)
             }
             Collective::AllGather => output[r * block..][..block].copy_from_slice(data),
+            Collective::AllToAll => {
+                output[r * block..][..block].copy_from_slice(&data[me * block..][..block])
+            }
             Collective::Broadcast if r == self.root => output.copy_from_slice(data),
             _ => {}
         }
