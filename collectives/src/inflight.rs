@@ -301,14 +301,15 @@ impl Communicator {
         for at in 0..self.inflight.calls.len() {
             let call = &mut self.inflight.calls[at];
             if let State::Flags(flags) = &mut call.state {
-                let tiny = self.tiny.on().expect("a flag call has the flag path");
-                let (before, desc) = (flags.peer(), call.desc);
-                // SAFETY: the caller's buffer, reserved for this call.
-                let out = unsafe { call.output.bytes_mut() };
+                let tiny = self.tiny.on_mut().expect("a flag call has the flag path");
+                let (before, desc) = (flags.mark(), call.desc);
+                // SAFETY: the caller's buffers, reserved for this call.
+                let (input, out) =
+                    unsafe { (call.input.map(|b| b.bytes()), call.output.bytes_mut()) };
                 let op = desc.op.unwrap_or(ReduceOp::Sum);
-                match tiny.poll(flags, out, desc.dtype, op) {
+                match tiny.poll(flags, input, out, desc.dtype, op) {
                     Ok(true) => self.finish(at, Ok(())),
-                    Ok(false) if flags.peer() == before => continue,
+                    Ok(false) if flags.mark() == before => continue,
                     Ok(false) => {}
                     Err(e) => {
                         self.fail(at, Error::collective(self.rank, desc, e));
@@ -598,7 +599,7 @@ impl Communicator {
     /// Chooses the call's algorithm, builds its schedule, registers its
     /// buffers and starts its execution.
     fn begin(&mut self, at: usize) -> Result<()> {
-        if self.begin_flags(at) {
+        if self.begin_flags(at)? {
             return Ok(());
         }
         let rank = self.rank;
@@ -706,24 +707,26 @@ impl Communicator {
 
     /// On a communicator with the flag path, starts call `at` there if it
     /// takes it (returns whether it did), or says it takes the general path.
-    fn begin_flags(&mut self, at: usize) -> bool {
+    fn begin_flags(&mut self, at: usize) -> Result<bool> {
         let call = &mut self.inflight.calls[at];
         let Some(tiny) = self.tiny.on_mut() else {
-            return false;
+            return Ok(false);
         };
         let bytes = call.input.map_or(0, |b| b.len).max(call.output.len);
         if call.desc.collective == Collective::PointToPoint {
-            return false;
+            return Ok(false);
         }
         if !tiny.takes(call.desc.collective, bytes) {
             tiny.mark_general(&call.desc, bytes);
-            return false;
+            return Ok(false);
         }
         // SAFETY: the caller's buffers, reserved for this call.
         let (input, output) = unsafe { (call.input.map(|b| b.bytes()), call.output.bytes()) };
-        call.state = State::Flags(tiny.post(&call.desc, input, output));
+        let flags = (tiny.post(&call.desc, input, output))
+            .map_err(|e| Error::collective(self.rank, call.desc, e))?;
+        call.state = State::Flags(flags);
         self.recorder.running(call.slot, "tiny", bytes);
-        true
+        Ok(true)
     }
 
     /// `b` as the executor sees it: registered with every transport in use

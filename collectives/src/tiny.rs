@@ -2,10 +2,10 @@
 //! (`COLL_TINY=BYTES`): AllReduce, Reduce, ReduceScatter, AllGather,
 //! AllToAll and Broadcast whose larger buffer is at most BYTES, and every
 //! barrier. Each
-//! rank owns a small shared segment of two slots; flag call `k` writes the
-//! rank's part (its input; its block of an AllGather; nothing off a
-//! Broadcast's root) into slot `k % 2` with the call's tag and publishes
-//! `k + 1`, then reads every rank's slot in rank order and takes what it
+//! rank owns a small shared segment of `SLOTS` slots; flag call `k` writes
+//! the rank's part (its input; its block of an AllGather; nothing off a
+//! Broadcast's root) into slot `k % SLOTS` with the call's tag and publishes
+//! `k + 1`, then reads the slots it needs in rank order and takes what it
 //! needs: reduces them (every rank's result bitwise the same), copies a
 //! block (its own block of every rank's, for an AllToAll), copies the
 //! root's. No schedule, no staging, no doorbell: one pass,
@@ -15,11 +15,21 @@
 //! non-blocking callers both take it, it runs in its turn on the collective
 //! lane, and a waiting rank polls, then sleeps on a futex the writer wakes.
 //!
-//! Two slots are enough because every rank waits for every flag, whatever
-//! it reads: a rank writes slot `k % 2` again only for flag call `k + 2`,
-//! after it saw every rank publish call `k + 1`, which each did only after
-//! reading every slot of call `k`. Calls on the general path in between
-//! take no flag number.
+//! Most calls read every rank's part (an AllReduce, a barrier); those wait
+//! for every rank and so keep every rank in step. A Broadcast reads only
+//! the root's part and a Reduce off the root none: such a rank goes on at
+//! once, up to `SLOTS - 1` calls ahead of the slowest rank (a root
+//! broadcasting in a loop, as Open MPI's does). A rank writes slot
+//! `k % SLOTS` for call `k` only once every rank published call
+//! `k + 1 - SLOTS`, which each did only after it finished the call that
+//! slot held before. Calls on the general path in between take no flag
+//! number.
+//!
+//! Every slot's label carries a hash of all the rank's flag calls so far,
+//! and every part read is checked against it: ranks that disagreed on an
+//! earlier call nobody read (two ranks each taking itself for a
+//! broadcast's root) fail at the next call that reads, or when posting
+//! waits on them, naming the first call that differs.
 //!
 //! Ranks that disagree on the path (one rank's AllReduce is larger than the
 //! threshold, another's is not; a barrier against an AllToAllv) would wait
@@ -33,7 +43,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::Duration;
 
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
@@ -45,9 +55,12 @@ use crate::reduce;
 use crate::{Communicator, DataType, ReduceOp, Result};
 
 /// The control line, then each slot, starts with this many bytes of header:
-/// a sequence word (at 0), a tag (at 16) and a length (at 32); a slot's
-/// header also says on which CPU its writer wrote it (+1, at 8).
+/// a sequence word (at 0), a tag (at 16), a length (at 32) and the hash of
+/// the calls so far (at 36); a slot's header also says on which CPU its
+/// writer wrote it (+1, at 8).
 const HEADER: usize = 64;
+/// Slots per rank: how far ahead of the slowest rank a rank may run.
+const SLOTS: u64 = 8;
 const CPU: usize = 8;
 /// A slot's data follows its header in the same cache line: a reader of a
 /// small call fetches one line per rank, not two.
@@ -57,7 +70,7 @@ const DATA: usize = 40;
 const SLEEPING_ON: usize = 4;
 const LEFT: usize = 12;
 
-/// One rank's segment, mapped: its control line, then two slots.
+/// One rank's segment, mapped: its control line, then `SLOTS` slots.
 struct Segment {
     base: NonNull<u8>,
     len: usize,
@@ -95,10 +108,10 @@ impl Segment {
         self.base.as_ptr()
     }
 
-    /// Slot `k % 2`.
-    fn slot(&self, k: u32, slot_bytes: usize) -> *mut u8 {
-        // SAFETY: the control line and two slots of `slot_bytes` fill the segment.
-        unsafe { (self.base.as_ptr().add(HEADER)).add((k % 2) as usize * slot_bytes) }
+    /// The slot of flag call `k`.
+    fn slot(&self, k: u64, slot_bytes: usize) -> *mut u8 {
+        // SAFETY: the control line and SLOTS slots of `slot_bytes` fill the segment.
+        unsafe { (self.base.as_ptr().add(HEADER)).add((k % SLOTS) as usize * slot_bytes) }
     }
 
     /// The 32-bit word at `at` bytes into the header at `line`.
@@ -108,32 +121,43 @@ impl Segment {
         unsafe { AtomicU32::from_ptr(line.add(at).cast()) }
     }
 
-    /// The tag and length written in the header at `line`.
+    /// The label written in the header at `line`.
     ///
     /// # Safety
-    /// Its writer must have published them (its sequence word, read with
-    /// acquire, says so).
-    unsafe fn label(line: *mut u8) -> (Tag, usize) {
+    /// Its writer must have published it (its sequence word, read with
+    /// acquire, says so), or the caller checks that word again after.
+    unsafe fn label(line: *mut u8) -> Label {
         // SAFETY: the caller's promise; within the header.
         unsafe {
-            (
-                line.add(16).cast::<u128>().read_unaligned(),
-                line.add(32).cast::<u64>().read_unaligned() as usize,
-            )
+            Label {
+                tag: line.add(16).cast::<u128>().read_volatile(),
+                len: line.add(32).cast::<u32>().read_volatile() as usize,
+                chain: line.add(36).cast::<u32>().read_volatile(),
+            }
         }
     }
 
-    /// Writes a header's tag and length (publish after).
+    /// Writes a header's label (publish after).
     ///
     /// # Safety
-    /// `line` must be a header of our own segment no reader reads now.
-    unsafe fn write_label(line: *mut u8, tag: Tag, len: usize) {
+    /// `line` must be a header of our own segment no reader relies on now.
+    unsafe fn write_label(line: *mut u8, l: Label) {
         // SAFETY: the caller's promise; within the header.
         unsafe {
-            line.add(16).cast::<u128>().write_unaligned(tag);
-            line.add(32).cast::<u64>().write_unaligned(len as u64);
+            line.add(16).cast::<u128>().write_volatile(l.tag);
+            line.add(32).cast::<u32>().write_volatile(l.len as u32);
+            line.add(36).cast::<u32>().write_volatile(l.chain);
         }
     }
+}
+
+/// A slot's (or the control line's) label: what the call is, its part's
+/// length, and the hash of the writer's flag calls up to it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Label {
+    tag: Tag,
+    len: usize,
+    chain: u32,
 }
 
 /// A communicator's small-call path.
@@ -145,17 +169,21 @@ pub(crate) struct Tiny {
     /// Largest data per call.
     pub max_bytes: usize,
     /// Flag calls made: every rank makes the same ones.
-    calls: u32,
+    calls: u64,
+    /// Every rank published the flag calls below this one.
+    published: u64,
+    /// Our last `SLOTS` calls' tags and chains, by slot.
+    history: [(Tag, u32); SLOTS as usize],
     /// The host's ranks outnumber its cores: a waiting rank yields.
     pub crowded: bool,
 }
 
 /// A flag call in flight.
 pub(crate) struct FlagCall {
-    /// Its flag number, and the collective sequence number it has.
-    k: u32,
-    seq: u32,
+    /// Its flag number.
+    k: u64,
     tag: Tag,
+    chain: u32,
     collective: Collective,
     /// Its larger buffer, in bytes.
     bytes: usize,
@@ -163,7 +191,11 @@ pub(crate) struct FlagCall {
     in_place: bool,
     /// The ranks of the communicator.
     n: usize,
-    /// Ranks below this one were taken (reduced, copied) into the output.
+    /// Our part is in our slot; before, the call waits for every rank to
+    /// publish call `k + 1 - SLOTS`.
+    posted: bool,
+    /// Ranks below this one published that call (before posting) or were
+    /// taken into the output (after).
     next: Rank,
 }
 
@@ -172,13 +204,26 @@ fn reached(got: u32, want: u32) -> bool {
     got.wrapping_sub(want) as i32 >= 0
 }
 
+/// The sequence word that says call `k` is published.
+fn flag(k: u64) -> u32 {
+    (k as u32).wrapping_add(1)
+}
+
+/// The hash of a rank's flag calls, one more call in.
+fn extend(chain: u32, tag: Tag) -> u32 {
+    let mut x = u64::from(chain) ^ (tag as u64) ^ ((tag >> 64) as u64).rotate_left(29);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (x ^ (x >> 31)) as u32
+}
+
 impl Tiny {
     fn slot_bytes(max_bytes: usize) -> usize {
         (DATA + max_bytes).next_multiple_of(64)
     }
 
     fn segment_bytes(max_bytes: usize) -> usize {
-        HEADER + 2 * Self::slot_bytes(max_bytes)
+        HEADER + SLOTS as usize * Self::slot_bytes(max_bytes)
     }
 
     /// This rank's segment, and what peers need to open it: (pid, fd).
@@ -213,6 +258,8 @@ impl Tiny {
             pids: ids.iter().map(|[pid, _]| *pid as i32).collect(),
             max_bytes,
             calls: 0,
+            published: 0,
+            history: [(0, 0); SLOTS as usize],
             crowded: crate::cpus::oversubscribed(ids.len()),
         })
     }
@@ -230,94 +277,216 @@ impl Tiny {
         }
     }
 
-    /// Starts a flag call: writes our part into our slot and publishes it.
-    pub fn post(&mut self, desc: &CallDesc, input: Option<&[u8]>, output: &[u8]) -> FlagCall {
+    /// Starts a flag call: posts our part at once if every rank is done
+    /// with the slot it goes into, else [`poll`](Self::poll) will.
+    pub fn post(
+        &mut self,
+        desc: &CallDesc,
+        input: Option<&[u8]>,
+        output: &[u8],
+    ) -> transport::Result<FlagCall> {
         let k = self.calls;
-        self.calls = k.wrapping_add(1);
-        let call = FlagCall {
+        self.calls += 1;
+        let tag = desc.tag();
+        let before = k
+            .checked_sub(1)
+            .map_or(0, |p| self.history[(p % SLOTS) as usize].1);
+        let chain = extend(before, tag);
+        self.history[(k % SLOTS) as usize] = (tag, chain);
+        let mut call = FlagCall {
             k,
-            seq: desc.seq,
-            tag: desc.tag(),
+            tag,
+            chain,
             collective: desc.collective,
             bytes: input.map_or(0, <[u8]>::len).max(output.len()),
             root: desc.root.map_or(0, usize::from),
             in_place: input.is_none(),
             n: self.segments.len(),
+            posted: false,
             next: 0,
         };
-        let part = call.own_part(self.me, input, output);
+        self.try_post(&mut call, input, output)?;
+        Ok(call)
+    }
+
+    /// The flag call whose publication by every rank `call` must see
+    /// before it writes its slot, if any is still unseen.
+    fn gate(&self, call: &FlagCall) -> Option<u64> {
+        (call.k + 1)
+            .checked_sub(SLOTS)
+            .filter(|&j| j >= self.published)
+    }
+
+    /// Posts `call` once every rank published call `k + 1 - SLOTS`;
+    /// returns whether it is posted.
+    fn try_post(
+        &mut self,
+        call: &mut FlagCall,
+        input: Option<&[u8]>,
+        output: &[u8],
+    ) -> transport::Result<bool> {
         let sb = Self::slot_bytes(self.max_bytes);
-        let mine = self.segments[self.me].slot(k, sb);
-        // SAFETY: our own slot: no reader looks at slot k % 2 until we
-        // publish k + 1 below, and none still reads it (module doc).
+        if let Some(j) = self.gate(call) {
+            while call.next < call.n {
+                let r = call.next;
+                let word = Segment::word(self.segments[r].slot(j, sb), 0);
+                if !reached(word.load(Ordering::Acquire), flag(j)) {
+                    return Ok(false);
+                }
+                self.verify(r, j)?;
+                call.next += 1;
+            }
+            self.published = j + 1;
+        }
+        let part = call.own_part(self.me, input, output);
+        let mine = self.segments[self.me].slot(call.k, sb);
+        let word = Segment::word(mine, 0);
+        // Readers checking this slot's old label (`verify`) see it change.
+        word.store(flag(call.k).wrapping_sub(1 << 31), Ordering::Relaxed);
+        fence(Ordering::Release);
+        let label = Label {
+            tag: call.tag,
+            len: part.len(),
+            chain: call.chain,
+        };
+        // SAFETY: our own slot: every rank is done with the call it held
+        // (module doc), and none reads it for this call before we publish.
         unsafe {
             std::ptr::copy_nonoverlapping(part.as_ptr(), mine.add(DATA), part.len());
-            Segment::write_label(mine, call.tag, part.len());
+            Segment::write_label(mine, label);
         }
         // SAFETY: no arguments; glibc reads it from the thread's rseq area.
         let cpu = unsafe { libc::sched_getcpu() };
         Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
-        Segment::word(mine, 0).store(k.wrapping_add(1), Ordering::SeqCst);
-        self.wake_sleepers(&[mine]);
-        call
+        word.store(flag(call.k), Ordering::SeqCst);
+        self.wake_sleepers([mine]);
+        (call.posted, call.next) = (true, 0);
+        Ok(true)
+    }
+
+    /// Checks rank `r`'s label of call `j` against ours, if its slot still
+    /// holds that call (it may have gone on since).
+    fn verify(&self, r: Rank, j: u64) -> transport::Result<()> {
+        match self.label_of(r, j) {
+            Some(l) if l.chain != self.history[(j % SLOTS) as usize].1 => Err(self.diverged(r, j)),
+            _ => Ok(()),
+        }
+    }
+
+    /// Rank `r`'s label of call `j`, if its slot holds that call now.
+    fn label_of(&self, r: Rank, j: u64) -> Option<Label> {
+        let slot = self.segments[r].slot(j, Self::slot_bytes(self.max_bytes));
+        let word = Segment::word(slot, 0);
+        let before = word.load(Ordering::Acquire);
+        // SAFETY: read, then the word read again: a writer that started on
+        // the slot in between changed it first (`try_post`).
+        let label = unsafe { Segment::label(slot) };
+        fence(Ordering::Acquire);
+        (before == flag(j) && word.load(Ordering::Relaxed) == before).then_some(label)
+    }
+
+    /// Rank `r`'s flag calls up to `upto` differ from ours: the error
+    /// names the first that differs while its slot and our history still
+    /// show it.
+    fn diverged(&self, r: Rank, upto: u64) -> transport::Error {
+        for j in self.calls.saturating_sub(SLOTS)..=upto {
+            let (tag, _) = self.history[(j % SLOTS) as usize];
+            if let Some(l) = self.label_of(r, j).filter(|l| l.tag != tag) {
+                return transport::Error::Mismatch {
+                    peer: r,
+                    expected_tag: tag,
+                    expected_len: 0,
+                    got_tag: l.tag,
+                    got_len: l.len,
+                };
+            }
+        }
+        let desc = CallDesc::from_tag(self.history[(upto % SLOTS) as usize].0);
+        transport::Error::Invalid(format!(
+            "peer rank {r} made other small calls than ours before {}: the ranks disagree on an \
+             earlier call (a broadcast's or reduce's root, say) or on the order of calls",
+            desc.map_or("this call".into(), |d| d.to_string())
+        ))
     }
 
     /// A collective of ours takes the general path: says so in our control
     /// line, for a peer that waits on a flag for it.
     pub fn mark_general(&mut self, desc: &CallDesc, bytes: usize) {
         let line = self.segments[self.me].control();
+        let label = Label {
+            tag: desc.tag(),
+            len: bytes,
+            chain: 0,
+        };
         // SAFETY: our own control line; a reader that sees the old number
         // with new label bytes only misreports the other call's size.
-        unsafe { Segment::write_label(line, desc.tag(), bytes) };
+        unsafe { Segment::write_label(line, label) };
         Segment::word(line, 0).store(desc.seq.wrapping_add(1), Ordering::SeqCst);
+        self.wake_all_slots();
+    }
+
+    /// Wakes any peer asleep on one of our slots.
+    fn wake_all_slots(&self) {
         let sb = Self::slot_bytes(self.max_bytes);
         let own = &self.segments[self.me];
-        self.wake_sleepers(&[own.slot(0, sb), own.slot(1, sb)]);
+        self.wake_sleepers((0..SLOTS).map(|k| own.slot(k, sb)));
     }
 
     /// Wakes every peer asleep on one of our `words` (after a SeqCst store:
     /// a peer either saw it or said it sleeps before we look).
-    fn wake_sleepers(&self, words: &[*mut u8]) {
+    fn wake_sleepers(&self, words: impl IntoIterator<Item = *mut u8>) {
         let me = self.me as u32 + 1;
         let asleep = (self.segments.iter())
             .any(|s| Segment::word(s.control(), SLEEPING_ON).load(Ordering::SeqCst) == me);
         if asleep {
             for w in words {
-                let _ = futex::wake(Segment::word(*w, 0), futex::Flags::empty(), i32::MAX as u32);
+                let _ = futex::wake(Segment::word(w, 0), futex::Flags::empty(), i32::MAX as u32);
             }
         }
     }
 
-    /// Takes into `output` every rank's part that has arrived, in rank
-    /// order; returns whether the call is done. A peer whose part does not
-    /// match ours is a mismatch.
+    /// Posts `call` if it waits to, then takes into `output` every part
+    /// it reads that has arrived, in rank order; returns whether the call
+    /// is done. A peer whose part or history does not match ours is a
+    /// mismatch.
     pub fn poll(
-        &self,
+        &mut self,
         call: &mut FlagCall,
+        input: Option<&[u8]>,
         output: &mut [u8],
         dtype: DataType,
         op: ReduceOp,
     ) -> transport::Result<bool> {
+        if !call.posted && !self.try_post(call, input, output)? {
+            return Ok(false);
+        }
         let sb = Self::slot_bytes(self.max_bytes);
         while call.next < call.n {
             let r = call.next;
+            if !call.reads(self.me, r) {
+                call.next += 1;
+                continue;
+            }
             let slot = self.segments[r].slot(call.k, sb);
-            if !reached(
-                Segment::word(slot, 0).load(Ordering::Acquire),
-                call.k.wrapping_add(1),
-            ) {
+            if !reached(Segment::word(slot, 0).load(Ordering::Acquire), flag(call.k)) {
                 return Ok(false);
             }
             // SAFETY: rank r published call k: its header and data are
             // written and stay so until we publish call k + 1.
-            let (tag, len) = unsafe { Segment::label(slot) };
-            if (tag, len) != (call.tag, call.part_len(r)) {
-                return Err(call.mismatch(r, tag, len));
+            let l = unsafe { Segment::label(slot) };
+            if (l.tag, l.len) != (call.tag, call.part_len(r)) {
+                return Err(call.mismatch(r, l.tag, l.len));
+            }
+            if l.chain != call.chain {
+                return Err(self.diverged(r, call.k));
             }
             // SAFETY: as above; `len` bytes of data follow the header.
-            let data = unsafe { std::slice::from_raw_parts(slot.add(DATA), len) };
+            let data = unsafe { std::slice::from_raw_parts(slot.add(DATA), l.len) };
             call.take(self.me, r, data, output, dtype, op);
             call.next += 1;
+        }
+        if call.reads_all(self.me) {
+            self.published = self.published.max(call.k + 1);
         }
         if let Some(result) = call.reduced(self.me, output) {
             reduce::finalize(dtype, op, result, call.n);
@@ -325,34 +494,45 @@ impl Tiny {
         Ok(true)
     }
 
+    /// The rank `call` waits on, and the flag call it waits for it to publish.
+    fn awaited(&self, call: &FlagCall) -> (Rank, u64) {
+        match call.posted {
+            true => (call.next, call.k),
+            false => (call.next, self.gate(call).expect("an unposted call waits")),
+        }
+    }
+
     /// Whether the rank `call` waits on last wrote on the CPU we run on: it
     /// then needs our core to go on, and we should yield it.
     pub fn shares_our_core(&self, call: &FlagCall) -> bool {
+        let (r, j) = self.awaited(call);
         let sb = Self::slot_bytes(self.max_bytes);
-        let last = self.segments[call.next].slot(call.k.wrapping_sub(1), sb);
+        let last = self.segments[r].slot(j.wrapping_sub(1), sb);
         let theirs = Segment::word(last, CPU).load(Ordering::Relaxed);
-        // SAFETY: as in `post`.
+        // SAFETY: as in `try_post`.
         let ours = unsafe { libc::sched_getcpu() };
         theirs == ours.wrapping_add(1) as u32
     }
 
     /// What can be known of the rank `call` waits on without its flag: gone
-    /// (its process ended), or on the general path for this call.
+    /// (its process ended), or on the general path for the call awaited.
     pub fn check(&self, call: &FlagCall) -> transport::Result<()> {
-        let r = call.next;
+        let (r, j) = self.awaited(call);
+        let tag = self.history[(j % SLOTS) as usize].0;
+        let seq = (tag >> 64) as u32;
         let pid = rustix::process::Pid::from_raw(self.pids[r]);
         let dead = pid
             .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
         let line = self.segments[r].control();
         let left = Segment::word(line, LEFT).load(Ordering::Acquire) != 0;
         let general = Segment::word(line, 0).load(Ordering::Acquire);
-        let general = general != 0 && reached(general.wrapping_sub(1), call.seq);
-        // The peer may have published this call, finished it and gone on
+        let general = general != 0 && reached(general.wrapping_sub(1), seq);
+        // The peer may have published the call, finished it and gone on
         // (or away) since we last looked: its flag, written before, is
         // visible now if so.
         let sb = Self::slot_bytes(self.max_bytes);
-        let flag = Segment::word(self.segments[r].slot(call.k, sb), 0);
-        if reached(flag.load(Ordering::Acquire), call.k.wrapping_add(1)) {
+        let word = Segment::word(self.segments[r].slot(j, sb), 0);
+        if reached(word.load(Ordering::Acquire), flag(j)) {
             return Ok(());
         }
         if dead || left {
@@ -360,8 +540,14 @@ impl Tiny {
         }
         if general {
             // SAFETY: published with the sequence word read above.
-            let (tag, len) = unsafe { Segment::label(line) };
-            return Err(call.mismatch(r, tag, len));
+            let l = unsafe { Segment::label(line) };
+            return Err(transport::Error::Mismatch {
+                peer: r,
+                expected_tag: tag,
+                expected_len: call.part_len(r),
+                got_tag: l.tag,
+                got_len: l.len,
+            });
         }
         Ok(())
     }
@@ -371,22 +557,19 @@ impl Tiny {
     pub fn leave(&self) {
         let own = &self.segments[self.me];
         Segment::word(own.control(), LEFT).store(1, Ordering::SeqCst);
-        let sb = Self::slot_bytes(self.max_bytes);
-        self.wake_sleepers(&[own.slot(0, sb), own.slot(1, sb)]);
+        self.wake_all_slots();
     }
 
     /// Sleeps until the rank `call` waits on publishes (or writes its
     /// control line), at most `max`.
     pub fn sleep(&self, call: &FlagCall, max: Duration) {
-        let r = call.next;
+        let (r, j) = self.awaited(call);
         let mine = Segment::word(self.segments[self.me].control(), SLEEPING_ON);
         mine.store(r as u32 + 1, Ordering::SeqCst);
-        let word = Segment::word(
-            self.segments[r].slot(call.k, Self::slot_bytes(self.max_bytes)),
-            0,
-        );
+        let sb = Self::slot_bytes(self.max_bytes);
+        let word = Segment::word(self.segments[r].slot(j, sb), 0);
         let seen = word.load(Ordering::SeqCst);
-        if !reached(seen, call.k.wrapping_add(1)) && self.check(call).is_ok() {
+        if !reached(seen, flag(j)) && self.check(call).is_ok() {
             let max = rustix::time::Timespec::try_from(max).unwrap_or(rustix::time::Timespec {
                 tv_sec: 1,
                 tv_nsec: 0,
@@ -408,6 +591,31 @@ impl FlagCall {
     /// The rank whose flag the call waits on.
     pub fn peer(&self) -> Rank {
         self.next
+    }
+
+    /// Where the call is: it moved when this changed.
+    pub fn mark(&self) -> (bool, Rank) {
+        (self.posted, self.next)
+    }
+
+    /// Whether rank `me` reads rank `r`'s part: of a broadcast only the
+    /// root's, of a reduce only on the root.
+    fn reads(&self, me: Rank, r: Rank) -> bool {
+        match self.collective {
+            Collective::Broadcast => r == self.root,
+            Collective::Reduce => me == self.root,
+            _ => true,
+        }
+    }
+
+    /// Whether rank `me` reads every rank's part (and so sees every rank
+    /// publish the call).
+    fn reads_all(&self, me: Rank) -> bool {
+        match self.collective {
+            Collective::Broadcast => self.n == 1,
+            Collective::Reduce => me == self.root,
+            _ => true,
+        }
     }
 
     /// How many bytes rank `r` publishes: the tag fixes every rank's.
@@ -495,7 +703,7 @@ pub(crate) enum State {
     Off,
     /// Set up when the communicator is made.
     Untried,
-    On(Tiny),
+    On(Box<Tiny>),
 }
 
 impl State {
@@ -553,7 +761,7 @@ impl Communicator {
                 rank = self.rank,
                 "COLL_TINY: collectives up to {max} B and barriers go through shared flags"
             );
-            self.tiny = State::On(t);
+            self.tiny = State::On(Box::new(t));
         }
         Ok(())
     }
