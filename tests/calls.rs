@@ -35,6 +35,18 @@ fn nonblocking_sends_and_receives_overlap_each_other_and_collectives() {
     }
 }
 
+/// Broadcast and Reduce loops with rotating roots, every result checked: on
+/// shared memory ranks that read little run ahead of the rest.
+#[test]
+fn rooted_calls_in_long_runs_stay_right_while_ranks_run_ahead() {
+    for (n, t) in [(3, "shm"), (5, "shm"), (3, "tcp")] {
+        assert_ok(
+            &job(n, "rooted", t, "30"),
+            &format!("rooted calls, {n} ranks over {t}"),
+        );
+    }
+}
+
 #[test]
 fn split_children_and_parent_run_at_once_from_threads() {
     for t in TRANSPORTS {

@@ -115,6 +115,7 @@ fn run(mode: &[String]) -> Result<(), String> {
             Ok(())
         }
         "overlap" => overlap(comm).map_err(e),
+        "rooted" => rooted(&mut comm),
         "group" => group(&mut comm),
         "pause" => pause(&mut comm),
         "skip" | "different" => odd_call(&mut comm, name == "skip").map_err(e),
@@ -126,6 +127,51 @@ fn run(mode: &[String]) -> Result<(), String> {
         "mismatch-v" | "mismatch-p2p" => mismatch_new(&mut comm, name == "mismatch-v").map_err(e),
         other => Err(format!("unknown mode '{other}'")),
     }
+}
+
+/// Broadcasts and Reduces in long runs, the root rotating and the data new
+/// each call, with an AllReduce now and then: ranks that read little run
+/// ahead of the others on the flag path (`tiny.rs`), and every result is
+/// checked right after its call.
+fn rooted(comm: &mut Communicator) -> Result<(), String> {
+    let (me, n) = (comm.rank(), comm.size());
+    let value = |i: usize, r: usize, j: usize| (i * 31 + r * 7 + j) as i64;
+    let e = |e: collectives::Error| e.to_string();
+    for i in 0..3000 {
+        let root = (i / 3) % n;
+        let len = 1 + i % 40;
+        if i % 2 == 0 {
+            let mut buf: Vec<i64> = (0..len)
+                .map(|j| if me == root { value(i, root, j) } else { -1 })
+                .collect();
+            comm.broadcast(&mut buf, root).map_err(e)?;
+            if let Some(j) = (0..len).find(|&j| buf[j] != value(i, root, j)) {
+                return Err(format!(
+                    "broadcast {i} from {root}: element {j} is {}",
+                    buf[j]
+                ));
+            }
+        } else {
+            let send: Vec<i64> = (0..len).map(|j| value(i, me, j)).collect();
+            let mut recv = vec![0i64; len];
+            comm.reduce(&send, &mut recv, ReduceOp::Sum, root)
+                .map_err(e)?;
+            let want = |j| (0..n).map(|r| value(i, r, j)).sum::<i64>();
+            if me == root {
+                if let Some(j) = (0..len).find(|&j| recv[j] != want(j)) {
+                    return Err(format!("reduce {i} to {root}: element {j} is {}", recv[j]));
+                }
+            }
+        }
+        if i % 500 == 499 {
+            let mut x = [me as i64];
+            comm.all_reduce_in_place(&mut x, ReduceOp::Sum).map_err(e)?;
+            if x[0] != (n * (n - 1) / 2) as i64 {
+                return Err(format!("allreduce after call {i}: {}", x[0]));
+            }
+        }
+    }
+    comm.barrier().map_err(e)
 }
 
 /// Every rank sends 64 MiB to the next and receives 64 MiB from the previous

@@ -60,7 +60,7 @@ use crate::{Communicator, DataType, ReduceOp, Result};
 /// writer wrote it (+1, at 8).
 const HEADER: usize = 64;
 /// Slots per rank: how far ahead of the slowest rank a rank may run.
-const SLOTS: u64 = 8;
+const SLOTS: u64 = 32;
 const CPU: usize = 8;
 /// A slot's data follows its header in the same cache line: a reader of a
 /// small call fetches one line per rank, not two.
