@@ -1,15 +1,14 @@
 //! Small collectives among the ranks of one host, without messages
 //! (`COLL_TINY=BYTES`): AllReduce, Reduce, ReduceScatter, AllGather,
 //! AllToAll and Broadcast whose larger buffer is at most BYTES, and every
-//! barrier. Each
-//! rank owns a small shared segment of `SLOTS` slots; flag call `k` writes
-//! the rank's part (its input; its block of an AllGather; nothing off a
-//! Broadcast's root) into slot `k % SLOTS` with the call's tag and publishes
-//! `k + 1`, then reads the slots it needs in rank order and takes what it
-//! needs: reduces them (every rank's result bitwise the same), copies a
-//! block (its own block of every rank's, for an AllToAll), copies the
-//! root's. No schedule, no staging, no doorbell: one pass,
-//! as Open MPI's coll/sm and NCCL's LL protocol do.
+//! barrier. Each rank owns a small shared segment of `SLOTS` slots; flag
+//! call `k` writes the rank's part (its input; its block of an AllGather;
+//! nothing off a Broadcast's root) into slot `k % SLOTS` with the call's
+//! tag and publishes `k + 1`, then reads the slots it needs in rank order
+//! and takes what it needs: reduces them (every rank's result bitwise the
+//! same), copies a block (its own block of every rank's, for an AllToAll),
+//! copies the root's. No schedule, no staging, no doorbell: one pass, as
+//! Open MPI's coll/sm and NCCL's LL protocol do.
 //!
 //! A flag call is an ordinary call in flight (`inflight.rs`): blocking and
 //! non-blocking callers both take it, it runs in its turn on the collective
