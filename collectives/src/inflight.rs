@@ -114,6 +114,14 @@ struct Call {
     slot: Slot,
 }
 
+impl Call {
+    /// The length of its larger buffer: what the selector and the flag
+    /// path go by.
+    fn larger(&self) -> usize {
+        self.input.map_or(0, |b| b.len).max(self.output.len)
+    }
+}
+
 /// A running call's schedule, execution and registered buffers; kept for
 /// reuse when it finishes, so a small call allocates nothing.
 #[derive(Default)]
@@ -607,7 +615,7 @@ impl Communicator {
         let (desc, peer, counts) = (call.desc, call.args.peer, call.args.counts.take());
         let (mut input, mut output) = (call.input, call.output);
         let elem = desc.dtype.size();
-        let larger = input.map_or(0, |b| b.len).max(output.len);
+        let larger = call.larger();
         let (build, in_place_ok, lane, windows, algo_name) = match desc.collective {
             Collective::PointToPoint => (
                 algo::POINT_TO_POINT,
@@ -712,7 +720,7 @@ impl Communicator {
         let Some(tiny) = self.tiny.on_mut() else {
             return Ok(false);
         };
-        let bytes = call.input.map_or(0, |b| b.len).max(call.output.len);
+        let bytes = call.larger();
         if call.desc.collective == Collective::PointToPoint {
             return Ok(false);
         }
@@ -722,7 +730,7 @@ impl Communicator {
         }
         // SAFETY: the caller's buffers, reserved for this call.
         let (input, output) = unsafe { (call.input.map(|b| b.bytes()), call.output.bytes()) };
-        let flags = (tiny.post(&call.desc, input, output))
+        let flags = (tiny.post(&call.desc, bytes, input, output))
             .map_err(|e| Error::collective(self.rank, call.desc, e))?;
         call.state = State::Flags(flags);
         self.recorder.running(call.slot, "tiny", bytes);

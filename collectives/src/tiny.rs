@@ -152,7 +152,7 @@ impl Segment {
 
 /// A slot's (or the control line's) label: what the call is, its part's
 /// length, and the hash of the writer's flag calls up to it.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 struct Label {
     tag: Tag,
     len: usize,
@@ -278,9 +278,11 @@ impl Tiny {
 
     /// Starts a flag call: posts our part at once if every rank is done
     /// with the slot it goes into, else [`poll`](Self::poll) will.
+    /// `bytes` is the call's larger buffer.
     pub fn post(
         &mut self,
         desc: &CallDesc,
+        bytes: usize,
         input: Option<&[u8]>,
         output: &[u8],
     ) -> transport::Result<FlagCall> {
@@ -297,7 +299,7 @@ impl Tiny {
             tag,
             chain,
             collective: desc.collective,
-            bytes: input.map_or(0, <[u8]>::len).max(output.len()),
+            bytes,
             root: desc.root.map_or(0, usize::from),
             in_place: input.is_none(),
             n: self.segments.len(),
@@ -474,7 +476,7 @@ impl Tiny {
             // written and stay so until we publish call k + 1.
             let l = unsafe { Segment::label(slot) };
             if (l.tag, l.len) != (call.tag, call.part_len(r)) {
-                return Err(call.mismatch(r, l.tag, l.len));
+                return Err(call.mismatch_with(call.tag, r, l));
             }
             if l.chain != call.chain {
                 return Err(self.diverged(r, call.k));
@@ -518,7 +520,7 @@ impl Tiny {
     pub fn check(&self, call: &FlagCall) -> transport::Result<()> {
         let (r, j) = self.awaited(call);
         let tag = self.history[(j % SLOTS) as usize].0;
-        let seq = (tag >> 64) as u32;
+        let seq = CallDesc::from_tag(tag).map_or(0, |d| d.seq);
         let pid = rustix::process::Pid::from_raw(self.pids[r]);
         let dead = pid
             .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
@@ -540,13 +542,7 @@ impl Tiny {
         if general {
             // SAFETY: published with the sequence word read above.
             let l = unsafe { Segment::label(line) };
-            return Err(transport::Error::Mismatch {
-                peer: r,
-                expected_tag: tag,
-                expected_len: call.part_len(r),
-                got_tag: l.tag,
-                got_len: l.len,
-            });
+            return Err(call.mismatch_with(tag, r, l));
         }
         Ok(())
     }
@@ -610,11 +606,7 @@ impl FlagCall {
     /// Whether rank `me` reads every rank's part (and so sees every rank
     /// publish the call).
     fn reads_all(&self, me: Rank) -> bool {
-        match self.collective {
-            Collective::Broadcast => self.n == 1,
-            Collective::Reduce => me == self.root,
-            _ => true,
-        }
+        (0..self.n).all(|r| self.reads(me, r))
     }
 
     /// How many bytes rank `r` publishes: the tag fixes every rank's.
@@ -684,13 +676,15 @@ impl FlagCall {
         }
     }
 
-    fn mismatch(&self, peer: Rank, got_tag: Tag, got_len: usize) -> transport::Error {
+    /// Rank `peer` labelled `got` what we know as `expected` (this call's
+    /// tag, or the one it waits for).
+    fn mismatch_with(&self, expected: Tag, peer: Rank, got: Label) -> transport::Error {
         transport::Error::Mismatch {
             peer,
-            expected_tag: self.tag,
+            expected_tag: expected,
             expected_len: self.part_len(peer),
-            got_tag,
-            got_len,
+            got_tag: got.tag,
+            got_len: got.len,
         }
     }
 }
