@@ -31,6 +31,8 @@ proptest! {
         prop_assert_eq!(wire::decode_hello(&wire::encode_hello(&h)), Ok(h));
         let f = Frame::Data { tag, len };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(f)), Some(f));
+        let bye = Frame::Bye { received: len as u32 };
+        prop_assert_eq!(wire::decode_header(&wire::encode_header(bye)), Some(bye));
     }
 
     #[test]

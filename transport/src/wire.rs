@@ -10,6 +10,7 @@ const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"CLLH");
 const ACK_MAGIC: u32 = u32::from_le_bytes(*b"CLLK");
 const DATA_MAGIC: u32 = u32::from_le_bytes(*b"CLLD");
 const ABORT_MAGIC: u32 = u32::from_le_bytes(*b"CLLA");
+const BYE_MAGIC: u32 = u32::from_le_bytes(*b"CLLB");
 
 pub(crate) const HELLO_LEN: usize = 32;
 pub(crate) const ACK_LEN: usize = 8;
@@ -64,8 +65,18 @@ pub(crate) fn decode_ack(b: &[u8; ACK_LEN]) -> Option<Rank> {
 /// What a message header announces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
-    Data { tag: Tag, len: usize },
-    Abort { reason_len: usize },
+    Data {
+        tag: Tag,
+        len: usize,
+    },
+    Abort {
+        reason_len: usize,
+    },
+    /// A verbs side channel's last word on a connection closed in good
+    /// order: the peer received our first `received` messages.
+    Bye {
+        received: u32,
+    },
 }
 
 pub(crate) fn encode_header(frame: Frame) -> [u8; HEADER_LEN] {
@@ -73,6 +84,7 @@ pub(crate) fn encode_header(frame: Frame) -> [u8; HEADER_LEN] {
     let (magic, len, tag) = match frame {
         Frame::Data { tag, len } => (DATA_MAGIC, len, tag),
         Frame::Abort { reason_len } => (ABORT_MAGIC, reason_len, 0),
+        Frame::Bye { received } => (BYE_MAGIC, received as usize, 0),
     };
     b[0..4].copy_from_slice(&magic.to_le_bytes());
     b[8..16].copy_from_slice(&(len as u64).to_le_bytes());
@@ -89,6 +101,9 @@ pub(crate) fn decode_header(b: &[u8; HEADER_LEN]) -> Option<Frame> {
         }),
         ABORT_MAGIC => Some(Frame::Abort {
             reason_len: len.min(MAX_REASON_LEN),
+        }),
+        BYE_MAGIC => Some(Frame::Bye {
+            received: len as u32,
         }),
         _ => None,
     }

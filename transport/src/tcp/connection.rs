@@ -195,7 +195,7 @@ impl TcpConnection {
                 peer: self.peer,
                 reason: self.read_reason(reason_len),
             }),
-            None => Err(Error::Invalid(format!(
+            Some(Frame::Bye { .. }) | None => Err(Error::Invalid(format!(
                 "peer rank {} sent a corrupt message header",
                 self.peer
             ))),
