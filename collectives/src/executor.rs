@@ -387,9 +387,6 @@ impl<T: Copy> Execution<T> {
     }
 
     /// Asks the CPU to start loading what the next [`progress`](Self::progress)
-    /// step reads first (the simulator calls it for the rank it runs next:
-    /// with thousands of ranks those lines are never in cache).
-    /// Asks the CPU to start loading what the next [`progress`](Self::progress)
     /// step reads first, for a rank that runs soon (the simulator's: with
     /// thousands of ranks, those lines are never in cache). Three stages,
     /// each reading only what the one before loaded: 0, the queues'

@@ -120,6 +120,13 @@ impl Poller {
     /// What an idle round does now, for a caller that waits its own way
     /// (on a futex, say): [`idle`](Self::idle)'s decision without the wait.
     pub fn phase(&mut self, timeout: Duration) -> Phase {
+        if self.rounds == 1 && self.idle_since.is_none() && !self.spin.is_zero() {
+            // The first idle round spins without reading the clock: a small
+            // call's wait often ends before the next reading, and a reading
+            // costs a tenth of such a call. The idle time counts from there.
+            self.spinning = true;
+            return Phase::Spin;
+        }
         let now = Instant::now();
         let idle = now - *self.idle_since.get_or_insert(now);
         if idle >= timeout {
