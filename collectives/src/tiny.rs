@@ -58,8 +58,10 @@ use crate::{Communicator, DataType, ReduceOp, Result};
 /// the calls so far (at 36); a slot's header also says on which CPU its
 /// writer wrote it (+1, at 8).
 const HEADER: usize = 64;
-/// Slots per rank: how far ahead of the slowest rank a rank may run.
-const SLOTS: u64 = 32;
+/// Slots per rank: how far ahead of the slowest rank a rank may run. More
+/// ranks than cores want many (a 4-rank Broadcast on 2 cores: 2 slots
+/// 4.6-6.0 us, 32 slots 0.8-1.7, 64 slots 10-35% less again).
+const SLOTS: u64 = 64;
 const CPU: usize = 8;
 /// A slot's data follows its header in the same cache line: a reader of a
 /// small call fetches one line per rank, not two.
