@@ -515,14 +515,13 @@ impl VerbsConnection {
         }
         let ok = |c: &Completion| c.status == WorkCompletionStatus::Success as u32;
         // An error completion explains the others (a queue pair in error
-        // flushes everything after it): report it before applying any.
-        // Once the peer said goodbye its queue pair is gone and our retries
-        // fail: what it received was settled by its goodbye, and what it
-        // did not shows as pending when its side channel closes.
+        // flushes everything after it): report it before applying any. The
+        // side channel may explain it better: the peer's abort reason, its
+        // exit, or its goodbye. After a goodbye the peer's queue pair is
+        // gone and our retries fail: what it received was settled, and what
+        // it did not shows as pending when its side channel closes.
         if let Some(bad) = batch[..n].iter().find(|c| !ok(c)) {
-            if self.peer_received.is_none() {
-                self.drain_side()?;
-            }
+            self.drain_side()?;
             if self.peer_received.is_none() {
                 return Err(self.failed_completion(*bad));
             }
@@ -533,10 +532,8 @@ impl VerbsConnection {
         Ok(n > 0)
     }
 
+    /// Applies a successful completion.
     fn complete(&mut self, c: Completion) -> Result<()> {
-        if c.status != WorkCompletionStatus::Success as u32 {
-            return Err(self.failed_completion(c));
-        }
         match c.wr_id & KIND {
             // Writes complete in order per queue pair, not across them:
             // requests complete in order, so the front waits for its own.
@@ -551,12 +548,7 @@ impl VerbsConnection {
                             .verb_error("RDMA WRITE_WITH_IMM", &"completion of no posted write"))
                     }
                 }
-                while self.sends.front().is_some_and(|o| o.done) {
-                    self.sends.pop_front();
-                    self.written -= 1;
-                    self.send_base = self.send_base.wrapping_add(1);
-                    self.requests.complete(Direction::Send);
-                }
+                self.retire_sends();
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
             _ => {
@@ -588,12 +580,20 @@ impl VerbsConnection {
         Ok(())
     }
 
-    /// An error completion, named by verb and status; the peer's own abort
-    /// reason, when the side channel carries one, explains it better.
-    fn failed_completion(&mut self, c: Completion) -> Error {
-        if let Err(e) = self.drain_side() {
-            return e;
+    /// Retires the sends at the front that are done: requests complete in
+    /// order.
+    fn retire_sends(&mut self) {
+        while self.sends.front().is_some_and(|o| o.done) {
+            self.sends.pop_front();
+            self.written -= 1;
+            self.send_base = self.send_base.wrapping_add(1);
+            self.requests.complete(Direction::Send);
         }
+    }
+
+    /// An error completion, named by verb and status (the caller read the
+    /// side channel first: an abort reason there explains it better).
+    fn failed_completion(&self, c: Completion) -> Error {
         let verb = match c.wr_id & KIND {
             WR_DATA => "RDMA WRITE_WITH_IMM",
             WR_CTS => "SEND (clear-to-send)",
@@ -689,12 +689,10 @@ impl VerbsConnection {
     /// acknowledgement was lost and its retry can no longer reach it.
     fn settle(&mut self, received: u32) {
         self.peer_received = Some(received);
-        while self.written > 0 && (received.wrapping_sub(self.send_base) as i32) > 0 {
-            self.sends.pop_front();
-            self.written -= 1;
-            self.send_base = self.send_base.wrapping_add(1);
-            self.requests.complete(Direction::Send);
-        }
+        let arrived = (received.wrapping_sub(self.send_base) as i32).max(0) as usize;
+        let written = self.written;
+        (self.sends.iter_mut().take(arrived.min(written))).for_each(|o| o.done = true);
+        self.retire_sends();
     }
 
     /// Tells the peer we close in good order and what we received (see
