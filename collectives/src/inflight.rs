@@ -454,7 +454,12 @@ impl Communicator {
             Phase::Sleep(_) | Phase::Expired => {}
         }
         let (desc, peer) = (call.desc, flags.peer());
-        let checked = tiny.check(flags);
+        // A peer that published what we wait for and then left (it finished
+        // and exited) is no failure: the next poll takes its part.
+        let checked = match tiny.check(flags) {
+            Ok(true) => return,
+            checked => checked.map(|_| ()),
+        };
         // A peer's abort shows on its connection, with its reason (read
         // after the check: a peer that left aborted its connections first).
         let lane = &mut self.lanes[Lane::Collective as usize];

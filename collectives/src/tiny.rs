@@ -517,9 +517,11 @@ impl Tiny {
         theirs == ours.wrapping_add(1) as u32
     }
 
-    /// What can be known of the rank `call` waits on without its flag: gone
-    /// (its process ended), or on the general path for the call awaited.
-    pub fn check(&self, call: &FlagCall) -> transport::Result<()> {
+    /// What can be known of the rank `call` waits on: it published the
+    /// call awaited after all (`Ok(true)`: look again, whatever became of
+    /// it since), else whether it is gone (its process ended) or on the
+    /// general path for that call.
+    pub fn check(&self, call: &FlagCall) -> transport::Result<bool> {
         let (r, j) = self.awaited(call);
         let tag = self.history[(j % SLOTS) as usize].0;
         let seq = CallDesc::from_tag(tag).map_or(0, |d| d.seq);
@@ -536,7 +538,7 @@ impl Tiny {
         let sb = Self::slot_bytes(self.max_bytes);
         let word = Segment::word(self.segments[r].slot(j, sb), 0);
         if reached(word.load(Ordering::Acquire), flag(j)) {
-            return Ok(());
+            return Ok(true);
         }
         if dead || left {
             return Err(transport::Error::Closed { peer: r });
@@ -546,7 +548,7 @@ impl Tiny {
             let l = unsafe { Segment::label(line) };
             return Err(call.mismatch_with(tag, r, l));
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Tells the peers we publish nothing more (our communicator was
@@ -566,7 +568,7 @@ impl Tiny {
         let sb = Self::slot_bytes(self.max_bytes);
         let word = Segment::word(self.segments[r].slot(j, sb), 0);
         let seen = word.load(Ordering::SeqCst);
-        if !reached(seen, flag(j)) && self.check(call).is_ok() {
+        if !reached(seen, flag(j)) && matches!(self.check(call), Ok(false)) {
             let max = rustix::time::Timespec::try_from(max).unwrap_or(rustix::time::Timespec {
                 tv_sec: 1,
                 tv_nsec: 0,
