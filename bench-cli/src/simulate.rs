@@ -41,8 +41,10 @@ struct Report {
 }
 
 /// From this many ranks on, a simulation holds gigabytes of schedules and
-/// its time goes to TLB misses: glibc's malloc then asks for transparent
-/// huge pages (4096-rank ring AllReduce of 1 GiB: 40 s without, 29 s with).
+/// its time goes to cache and TLB misses: glibc's malloc then asks for
+/// transparent huge pages (4096-rank ring AllReduce of 1 GiB: 40 s without,
+/// 29 s with before the engine loaded ranks ahead; now 22 s without, 20 s
+/// with, medians of 3).
 const HUGE_PAGES_FROM_RANKS: usize = 1024;
 
 /// Runs this same command again with glibc's malloc asking for transparent

@@ -92,11 +92,11 @@ pub(crate) struct Waiting {
 #[derive(Clone, Copy, Debug)]
 enum State<T> {
     Waiting,
-    /// With its staging slot, if staged (u32: a step's state is held for
+    /// With its staging slot, if staged (u16: a step's state is held for
     /// every step of a simulation of thousands of ranks).
-    Posted(T, Option<u32>),
+    Posted(T, Option<u16>),
     /// A staged receive that completed; its action waits for `after`.
-    Landed(u32),
+    Landed(u16),
     Done,
 }
 
@@ -131,7 +131,7 @@ pub(crate) struct Execution<T> {
     state: Vec<State<T>>,
     free_slots: Vec<usize>,
     /// Staged receives in schedule order, and the next one to get a slot.
-    staged: Vec<StepId>,
+    staged: Vec<u32>,
     next_staged: usize,
     remaining: usize,
     copied: bool,
@@ -171,13 +171,25 @@ impl<T: Copy> Execution<T> {
         self.state.clear();
         self.state.resize(steps.len(), State::Waiting);
         self.free_slots.clear();
+        assert!(
+            windows.slots <= usize::from(u16::MAX),
+            "too many staging slots"
+        );
         self.free_slots.extend((0..windows.slots).rev());
         self.staged.clear();
-        self.staged
-            .extend((0..steps.len()).filter(|id| matches!(steps[*id].kind, Kind::Staged(_))));
+        self.staged.extend(
+            (0..steps.len() as u32)
+                .filter(|&id| matches!(steps[id as StepId].kind, Kind::Staged(_))),
+        );
         self.next_staged = 0;
         self.remaining = steps.len();
         self.copied = false;
+    }
+
+    /// Frees what only [`start`](Self::start) uses (a table of one entry
+    /// per rank), for the simulator, which holds thousands of executions.
+    pub fn trim(&mut self) {
+        self.queue_of = Vec::new();
     }
 
     fn group_into_queues(&mut self, sched: &Schedule, npeers: usize) {
@@ -299,7 +311,7 @@ impl<T: Copy> Execution<T> {
                 Kind::Send | Kind::Recv if self.done(step.after()) => None,
                 Kind::Staged(_)
                     if !self.free_slots.is_empty()
-                        && self.staged.get(self.next_staged) == Some(&id) =>
+                        && self.staged.get(self.next_staged) == Some(&(id as u32)) =>
                 {
                     self.next_staged += 1;
                     self.free_slots.pop()
@@ -307,7 +319,7 @@ impl<T: Copy> Execution<T> {
                 _ => break,
             };
             let token = fx.post(step, sched.tag_of(step), slot)?;
-            self.state[id] = State::Posted(token, slot.map(|s| s as u32));
+            self.state[id] = State::Posted(token, slot.map(|s| s as u16));
             self.queues[qi].posted += 1;
             moved = true;
         }
@@ -347,7 +359,7 @@ impl<T: Copy> Execution<T> {
                     let Kind::Staged(action) = step.kind else {
                         unreachable!("only staged receives land")
                     };
-                    fx.apply(action, step.span, Source::Slot(slot as usize));
+                    fx.apply(action, step.span(), Source::Slot(slot as usize));
                     self.free_slots.push(slot as usize);
                 }
                 State::Waiting | State::Done => unreachable!("queue cursor out of step"),
@@ -370,10 +382,10 @@ impl<T: Copy> Execution<T> {
                 i += 1;
                 continue;
             }
-            let Kind::Local(action, from) = step.kind else {
+            let Kind::Local(action) = step.kind else {
                 unreachable!("only local steps")
             };
-            fx.apply(action, step.span, Source::Local(sched.operand(from)));
+            fx.apply(action, step.span(), Source::Local(sched.operand(step)));
             self.state[id] = State::Done;
             self.remaining -= 1;
             self.locals.remove(i);
@@ -388,10 +400,16 @@ impl<T: Copy> Execution<T> {
 
     /// Asks the CPU to start loading what the next [`progress`](Self::progress)
     /// step reads first, for a rank that runs soon (the simulator's: with
-    /// thousands of ranks, those lines are never in cache). Three stages,
+    /// thousands of ranks, those lines are never in cache). Four stages,
     /// each reading only what the one before loaded: 0, the queues'
-    /// cursors; 1, the step ids at the cursors; 2, those steps and states.
+    /// cursors; 1, the step ids at the cursors and the next staged one; 2,
+    /// those steps and states; 3, the states of the steps they come after.
     pub fn prefetch(&self, sched: &Schedule, stage: u8) {
+        if stage == 1 {
+            if let Some(next) = self.staged.get(self.next_staged) {
+                prefetch(next);
+            }
+        }
         for q in self.queues.iter().take(2) {
             if stage == 0 {
                 prefetch(q);
@@ -401,13 +419,32 @@ impl<T: Copy> Execution<T> {
                 let at = &self.order[q.start + k];
                 match stage {
                     1 => prefetch(at),
-                    _ => {
+                    2 => {
                         prefetch(&sched.steps[*at as usize]);
                         prefetch(&self.state[*at as usize]);
+                    }
+                    _ => {
+                        if let Some(after) = sched.steps[*at as usize].after() {
+                            prefetch(&self.state[after]);
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// The tokens of the posted transfers at the heads of the queues: an
+    /// execution that stopped moves again only once one of them completes
+    /// (each queue retires in order).
+    pub fn awaited(&self) -> impl Iterator<Item = T> + '_ {
+        (self.queues.iter())
+            .filter(|q| q.done < q.posted)
+            .filter_map(
+                |q| match self.state[self.order[q.start + q.done] as StepId] {
+                    State::Posted(token, _) => Some(token),
+                    _ => None,
+                },
+            )
     }
 
     fn done(&self, step: Option<StepId>) -> bool {
@@ -426,17 +463,22 @@ impl<T: Copy> Execution<T> {
             send: q.sends,
             index: q.done + 1,
             of: q.len,
-            bytes: step.span.len,
+            bytes: step.span().len,
         })
     }
 }
 
-fn prefetch<T>(p: &T) {
+// What the simulator holds per step of every rank (with u32 tokens).
+const _: () = assert!(std::mem::size_of::<State<u32>>() == 8);
+
+/// Asks the CPU to load the line at `p` (any address: a prefetch never
+/// faults).
+pub(crate) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     // SAFETY: a prefetch is a hint; it never faults or changes memory.
     unsafe {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>((p as *const T).cast());
+        _mm_prefetch::<_MM_HINT_T0>(p.cast());
     }
 }
 

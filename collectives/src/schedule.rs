@@ -41,29 +41,43 @@ pub(crate) enum Kind {
     Send,
     Recv,
     Staged(Action),
-    /// An action on this rank's own data: the schedule's operand `.1` (see
+    /// An action on this rank's own data: a span of the schedule's (see
     /// [`Schedule::operand`]) instead of a staging slot, once `after` is done.
-    Local(Action, u32),
+    Local(Action),
 }
 
-/// One step of a schedule, 48 bytes: a simulation of thousands of ranks
+/// One step of a schedule, 32 bytes: a simulation of thousands of ranks
 /// holds every rank's steps, and the executor's cost per step is the cache
-/// lines it touches, so what is rare (a message's own tag, a local step's
-/// operand) lives in side tables of the [`Schedule`].
+/// lines it touches, so the span is stored flat (a nested [`Span`] pads to
+/// 24 bytes) and what is rare (a message's own tag, a local step's operand)
+/// lives in side tables of the [`Schedule`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Step {
-    pub span: Span,
+    offset: usize,
+    len: usize,
     peer: u32,
     /// [`NONE`] or a step id.
     after: u32,
+    /// A message: 0 for the call's tag, else 1 + an index into
+    /// [`Schedule::tags`]. A local step: its index into
+    /// [`Schedule::operands`].
+    extra: u32,
     pub kind: Kind,
-    /// 0: the call's tag; else 1 + an index into [`Schedule::tags`].
-    tag: u32,
+    buf: Buf,
 }
 
 const NONE: u32 = u32::MAX;
 
 impl Step {
+    /// What the step sends, receives into or acts on.
+    pub fn span(&self) -> Span {
+        Span {
+            buf: self.buf,
+            offset: self.offset,
+            len: self.len,
+        }
+    }
+
     pub fn is_send(&self) -> bool {
         matches!(self.kind, Kind::Send)
     }
@@ -101,17 +115,31 @@ pub(crate) struct Schedule {
 
 impl Schedule {
     fn push(&mut self, peer: Rank, kind: Kind, span: Span, after: Option<StepId>) -> StepId {
+        let extra = self.tag;
+        self.push_with(peer, kind, span, after, extra)
+    }
+
+    fn push_with(
+        &mut self,
+        peer: Rank,
+        kind: Kind,
+        span: Span,
+        after: Option<StepId>,
+        extra: u32,
+    ) -> StepId {
         let id = self.steps.len();
         assert!(
             id < NONE as usize && peer < NONE as usize,
             "schedule too large"
         );
         self.steps.push(Step {
-            span,
+            offset: span.offset,
+            len: span.len,
             peer: peer as u32,
             after: after.map_or(NONE, |a| a as u32),
+            extra,
             kind,
-            tag: self.tag,
+            buf: span.buf,
         });
         id
     }
@@ -127,14 +155,16 @@ impl Schedule {
         };
     }
 
-    /// `step`'s own tag, if it has one (else the call's).
+    /// A message `step`'s own tag, if it has one (else the call's).
     pub fn tag_of(&self, step: &Step) -> Option<Tag> {
-        (step.tag != 0).then(|| self.tags[step.tag as usize - 1])
+        debug_assert!(!matches!(step.kind, Kind::Local(_)));
+        (step.extra != 0).then(|| self.tags[step.extra as usize - 1])
     }
 
     /// A local step's `from` span.
-    pub fn operand(&self, index: u32) -> Span {
-        self.operands[index as usize]
+    pub fn operand(&self, step: &Step) -> Span {
+        debug_assert!(matches!(step.kind, Kind::Local(_)));
+        self.operands[step.extra as usize]
     }
 
     pub fn send(&mut self, peer: Rank, span: Span, after: Option<StepId>) -> StepId {
@@ -179,7 +209,7 @@ impl Schedule {
         debug_assert!(span.buf != Buf::Input && from.len == span.len);
         self.operands.push(from);
         let operand = (self.operands.len() - 1) as u32;
-        self.push(me, Kind::Local(action, operand), span, after)
+        self.push_with(me, Kind::Local(action), span, after, operand)
     }
 
     /// Receive into a staging slot, then copy into `span` once `after` is done.
@@ -227,4 +257,4 @@ impl Schedule {
 }
 
 // The size the simulator's memory and the executor's cache misses scale with.
-const _: () = assert!(std::mem::size_of::<Step>() == 48);
+const _: () = assert!(std::mem::size_of::<Step>() == 32);

@@ -92,19 +92,20 @@ impl Effects for Transfers<'_> {
     ) -> transport::Result<Request> {
         let (mr, offset) = match slot {
             Some(slot) => {
-                if step.span.len > self.staging.slot_bytes {
+                if step.span().len > self.staging.slot_bytes {
                     return Err(transport::Error::Invalid(format!(
                         "a staged receive of {} bytes exceeds the {}-byte staging slots",
-                        step.span.len, self.staging.slot_bytes
+                        step.span().len,
+                        self.staging.slot_bytes
                     )));
                 }
                 (&self.staging.mr, slot * self.staging.slot_bytes)
             }
-            None => (&self.region(step.span.buf).mr, step.span.offset),
+            None => (&self.region(step.span().buf).mr, step.span().offset),
         };
         let mr = mr.clone();
         let tag = tag.unwrap_or(self.tag);
-        let (peer, send, len) = (step.peer(), step.is_send(), step.span.len);
+        let (peer, send, len) = (step.peer(), step.is_send(), step.span().len);
         self.recorder.stats.count_message(peer, send, len);
         let conn = connection(self.peers, peer)?;
         // SAFETY: the span or slot stays valid for the whole call (the

@@ -96,8 +96,8 @@ impl Effects for Replay<'_> {
         };
         let t = &mut self.transfers[id];
         match send {
-            true => (t.src, t.dst, t.send) = (key.0, key.1, step.span),
-            false => t.recv = Some((step.span, slot)),
+            true => (t.src, t.dst, t.send) = (key.0, key.1, step.span()),
+            false => t.recv = Some((step.span(), slot)),
         }
         Ok(id)
     }

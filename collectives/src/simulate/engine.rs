@@ -2,19 +2,22 @@
 //! itself, its [`Effects`] carried out on a virtual clock.
 //!
 //! A rank runs (executor steps until nothing moves) when it is woken: at
-//! the start, and when a transfer it posted completes. Posting a transfer
+//! the start, and when a transfer it waits on completes. Posting a transfer
 //! matches it with the peer's in posting order (both ends of a connection
 //! post matching steps in the same order); once both ends posted, the
-//! model fixes when it completes and wakes both ends then.
+//! model fixes when it completes. Only the transfers at the heads of a
+//! rank's queues can let it move (the executor retires each queue in
+//! order), so a rank that stops is woken once, when the first of those
+//! completes ([`World::arm`]), not once per transfer.
 
-use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use transport::{Rank, Tag};
 
+use super::agenda::Agenda;
 use super::model::{Cluster, Link, Ports};
-use crate::executor::{Effects, Execution, Progress, Source, Windows};
+use crate::executor::{prefetch, Effects, Execution, Progress, Source};
 use crate::schedule::{Action, Schedule, Span, Step};
 
 /// One rank of the simulation.
@@ -37,10 +40,8 @@ struct Transfer {
     bytes: usize,
     src: u32,
     /// Ends (bit 0 the sender, bit 1 the receiver) that have not yet seen
-    /// it complete, and whose wake-ups for it are still queued: it is free
-    /// once both are empty.
+    /// it complete: it is free once both have.
     unseen: u8,
-    queued: u8,
 }
 
 impl Transfer {
@@ -53,16 +54,13 @@ impl Transfer {
     }
 }
 
-/// A rank's wake-up: when (f64 bits), whom, and for which transfer
-/// ([`START`] for the first).
-type WakeUp = Reverse<(u64, u32, u32)>;
-const START: u32 = u32::MAX;
-
-/// Posts one end has made that the other has not matched yet.
+/// Posts one end has made that the other has not matched yet: only one
+/// end's at a time (the other's would have matched them).
 #[derive(Default)]
 struct Channel {
-    sends: VecDeque<u32>,
-    recvs: VecDeque<u32>,
+    pending: VecDeque<u32>,
+    /// Whether `pending` holds sends, else receives.
+    sends: bool,
 }
 
 /// Everything ranks share: messages, ports, the event queue.
@@ -73,7 +71,10 @@ struct World<'c> {
     channels: HashMap<u64, Channel, BuildHasherDefault<PairHasher>>,
     nics: Ports,
     shm: Ports,
-    wakeups: BinaryHeap<WakeUp>,
+    wakeups: Agenda,
+    /// Per rank, its earliest queued wake-up (infinite: none); queued ones
+    /// at other times are stale and skipped.
+    armed: Vec<f64>,
     messages: u64,
 }
 
@@ -99,12 +100,11 @@ pub struct Status {
 /// Wake-ups between calls of a progress callback.
 const REPORT_EVERY: u64 = 1 << 20;
 
-/// Runs every member's schedule to completion, calling `report` every
-/// [`REPORT_EVERY`] wake-ups.
+/// Runs every member's schedule (its execution started) to completion,
+/// calling `report` every [`REPORT_EVERY`] wake-ups.
 pub(super) fn run(
     cluster: &Cluster,
     members: &mut [Member],
-    windows: Windows,
     report: &mut dyn FnMut(Status),
 ) -> Result<Outcome, String> {
     let mut world = World {
@@ -114,28 +114,23 @@ pub(super) fn run(
         channels: HashMap::default(),
         nics: Ports::new(cluster.hosts()),
         shm: Ports::new(cluster.ranks),
-        wakeups: (0..members.len() as u32)
-            .map(|r| Reverse((0, r, START)))
-            .collect(),
+        wakeups: Agenda::new(members.len() as u32),
+        armed: vec![0.0; members.len()],
         messages: 0,
     };
-    for m in members.iter_mut() {
-        m.exec.start(&m.sched, cluster.ranks, windows);
-    }
     let mut events = 0;
-    while let Some(Reverse((at, rank, transfer))) = world.wakeups.pop() {
-        prefetch_soon(&world.wakeups, members);
-        // A third of the wake-ups find their transfer seen already (the
-        // rank's clock had passed it on an earlier run): nothing to do.
-        if transfer != START && world.woken(transfer, rank) {
+    while let Some((at, rank)) = world.wakeups.pop() {
+        if world.armed[rank as usize] != at {
             continue;
         }
+        world.armed[rank as usize] = f64::INFINITY;
+        prefetch_soon(&world.wakeups, members);
         let m = &mut members[rank as usize];
         if m.finished.is_some() {
             continue;
         }
         events += 1;
-        m.now = m.now.max(f64::from_bits(at));
+        m.now = m.now.max(at);
         if events % REPORT_EVERY == 0 {
             report(Status {
                 events,
@@ -154,7 +149,12 @@ pub(super) fn run(
             match progress {
                 Progress::Moved => continue,
                 Progress::Done => m.finished = Some(fx.now),
-                Progress::Idle => {}
+                Progress::Idle => {
+                    let first = (m.exec.awaited())
+                        .map(|t| fx.world.transfers[t as usize].done)
+                        .fold(f64::INFINITY, f64::min);
+                    fx.world.arm(rank, first);
+                }
             }
             break;
         }
@@ -177,16 +177,25 @@ pub(super) fn run(
 }
 
 /// Starts loading the state of the ranks that run next while this one runs:
-/// each wake-up touches a rank's cursors, step ids and steps, and with
-/// thousands of ranks none are in cache (a 4096-rank ring: 85 s without,
-/// 37-49 s with). The heap's first slot runs next (stage 2), the next two
-/// hold the one after (stage 1), the four after those the next again.
-fn prefetch_soon(wakeups: &BinaryHeap<WakeUp>, members: &[Member]) {
-    let soon = wakeups.as_slice();
-    for (slots, stage) in [(0..1, 2), (1..3, 1), (3..7, 0)] {
-        for Reverse((_, rank, _)) in soon.get(slots).unwrap_or_default() {
-            let m = &members[*rank as usize];
-            m.exec.prefetch(&m.sched, stage);
+/// each wake-up touches a rank's member, cursors, step ids, steps and
+/// states, and with thousands of ranks none are in cache (a 4096-rank ring:
+/// 85 s without). A rank moves one place nearer the front of the agenda per
+/// wake-up, so each place loads what the place behind it made readable:
+/// the member at the back, the executor's stages nearer the front.
+fn prefetch_soon(agenda: &Agenda, members: &[Member]) {
+    for (place, rank) in agenda.soon().enumerate() {
+        let m = &members[rank as usize];
+        match place {
+            0 => m.exec.prefetch(&m.sched, 3),
+            1 => m.exec.prefetch(&m.sched, 2),
+            3 => m.exec.prefetch(&m.sched, 1),
+            5 => m.exec.prefetch(&m.sched, 0),
+            7 => {
+                let lines = std::mem::size_of::<Member>().div_ceil(64);
+                let first = (m as *const Member).cast::<[u8; 64]>();
+                (0..lines).for_each(|l| prefetch(first.wrapping_add(l)));
+            }
+            _ => {}
         }
     }
 }
@@ -199,20 +208,12 @@ struct RankEffects<'w, 'c> {
 }
 
 impl World<'_> {
-    /// `rank`'s wake-up for `transfer` came: whether it has seen the
-    /// transfer complete already (the wake-up is then stale).
-    fn woken(&mut self, transfer: u32, rank: u32) -> bool {
-        let t = &mut self.transfers[transfer as usize];
-        t.queued &= !t.end(rank);
-        let seen = t.unseen & t.end(rank) == 0;
-        self.free_if_done(transfer);
-        seen
-    }
-
-    fn free_if_done(&mut self, id: u32) {
-        let t = &self.transfers[id as usize];
-        if t.unseen == 0 && t.queued == 0 {
-            self.free.push(id);
+    /// Wakes `rank` at `at` unless it is woken by then anyway.
+    fn arm(&mut self, rank: u32, at: f64) {
+        let armed = &mut self.armed[rank as usize];
+        if at < *armed {
+            *armed = at;
+            self.wakeups.push(at, rank);
         }
     }
 
@@ -239,51 +240,45 @@ impl World<'_> {
         at: f64,
         bytes: usize,
     ) -> transport::Result<u32> {
+        // The id a new transfer gets (see `new_transfer`), known before the
+        // channel is borrowed: one lookup per post.
+        let next = self.free.last().copied();
+        let next = next.unwrap_or(self.transfers.len() as u32);
         let channel = self.channels.entry(pair(src, dst)).or_default();
-        let theirs = match send {
-            true => channel.recvs.pop_front(),
-            false => channel.sends.pop_front(),
-        };
-        match theirs {
-            Some(id) => {
-                let first = self.transfers[id as usize].bytes;
-                if first != bytes {
-                    let (expected_len, got_len) =
-                        if send { (first, bytes) } else { (bytes, first) };
-                    return Err(transport::Error::Mismatch {
-                        peer: src as usize,
-                        expected_tag: 0,
-                        expected_len,
-                        got_tag: 0,
-                        got_len,
-                    });
-                }
-                self.matched(id, src, dst, send, at, bytes);
-                Ok(id)
-            }
-            None => {
-                let posted = |mine: bool| if mine { at } else { f64::NAN };
-                let id = self.new_transfer(Transfer {
-                    send_posted: posted(send),
-                    recv_posted: posted(!send),
-                    done: f64::INFINITY,
-                    bytes,
-                    src,
-                    unseen: 3,
-                    queued: 3,
-                });
-                let channel = self.channels.get_mut(&pair(src, dst)).expect("made above");
-                match send {
-                    true => channel.sends.push_back(id),
-                    false => channel.recvs.push_back(id),
-                }
-                Ok(id)
-            }
+        if channel.pending.is_empty() || channel.sends == send {
+            channel.sends = send;
+            channel.pending.push_back(next);
+            let posted = |mine: bool| if mine { at } else { f64::NAN };
+            let id = self.new_transfer(Transfer {
+                send_posted: posted(send),
+                recv_posted: posted(!send),
+                done: f64::INFINITY,
+                bytes,
+                src,
+                unseen: 3,
+            });
+            debug_assert_eq!(id, next);
+            return Ok(id);
         }
+        let id = channel.pending.pop_front().expect("not empty");
+        let first = self.transfers[id as usize].bytes;
+        if first != bytes {
+            let (expected_len, got_len) = if send { (first, bytes) } else { (bytes, first) };
+            return Err(transport::Error::Mismatch {
+                peer: src as usize,
+                expected_tag: 0,
+                expected_len,
+                got_tag: 0,
+                got_len,
+            });
+        }
+        self.matched(id, src, dst, send, at, bytes);
+        Ok(id)
     }
 
-    /// Both ends of transfer `id` posted: the model says when it lands, and
-    /// both ends wake then.
+    /// Both ends of transfer `id` posted (the last by `src` if `send`, else
+    /// `dst`): the model says when it lands, and the other end wakes then
+    /// (the poster arms itself when it stops).
     fn matched(&mut self, id: u32, src: u32, dst: u32, send: bool, at: f64, bytes: usize) {
         let t = &mut self.transfers[id as usize];
         match send {
@@ -313,9 +308,7 @@ impl World<'_> {
         };
         self.transfers[id as usize].done = done;
         self.messages += 1;
-        for rank in [src, dst] {
-            self.wakeups.push(Reverse((done.to_bits(), rank, id)));
-        }
+        self.arm(if send { dst } else { src }, done);
     }
 }
 
@@ -330,7 +323,7 @@ impl Effects for RankEffects<'_, '_> {
             false => (peer, self.me),
         };
         self.world
-            .post(src, dst, step.is_send(), self.now, step.span.len)
+            .post(src, dst, step.is_send(), self.now, step.span().len)
     }
 
     fn is_done(&mut self, _peer: Rank, token: u32) -> transport::Result<bool> {
@@ -339,7 +332,9 @@ impl Effects for RankEffects<'_, '_> {
             return Ok(false);
         }
         t.unseen &= !t.end(self.me);
-        self.world.free_if_done(token);
+        if t.unseen == 0 {
+            self.world.free.push(token);
+        }
         Ok(true)
     }
 

@@ -8,6 +8,7 @@
 //! `collbench simulate` prints the predictions; the selector asks
 //! [`fastest`] for settings its measured profile does not cover.
 
+mod agenda;
 mod engine;
 mod model;
 
@@ -22,11 +23,12 @@ use crate::schedule::Schedule;
 use crate::{Collective, DataType};
 
 /// The most schedule steps a simulation holds (every rank's whole schedule
-/// is in memory, about [`BYTES_PER_STEP`] each with its executor state): a
-/// 4096-rank ring AllReduce has 67 million.
+/// is in memory, about [`BYTES_PER_STEP`] each with its executor state: a
+/// 32-byte step, its 8-byte state, its place in its queue): a 4096-rank
+/// ring AllReduce has 67 million (2.9 GB).
 pub const MAX_STEPS: usize = 100_000_000;
-const BYTES_PER_STEP: usize = 85;
-/// The most steps the selector simulates to choose (about 90 MB, under a
+const BYTES_PER_STEP: usize = 46;
+/// The most steps the selector simulates to choose (about 50 MB, under a
 /// second, once per collective and power-of-two size): at 4096 ranks that
 /// covers Rabenseifner, the trees and hierarchical up to a few MiB, not the
 /// ring or direct, which the table then stands in for.
@@ -118,25 +120,26 @@ pub fn simulate_reporting(
             (MAX_STEPS * BYTES_PER_STEP) >> 30
         ));
     }
-    let mut members: Vec<engine::Member> = (0..n)
-        .map(|rank| {
-            let layout = layout(collective, rank, n, count, dtype, pipeline, &hosts);
-            let mut sched = Schedule::default();
-            (algorithm.build)(&layout, &mut sched);
-            engine::Member {
-                sched,
-                exec: Execution::default(),
-                now: 0.0,
-                finished: None,
-            }
-        })
-        .collect();
     let windows = Windows {
         sends: crate::transfers::SEND_WINDOW.max(pipeline.depth),
         recvs: pipeline.depth,
         slots: pipeline.depth,
     };
-    let out = engine::run(cluster, &mut members, windows, report)?;
+    let mut members = build_all(n, |rank| {
+        let layout = layout(collective, rank, n, count, dtype, pipeline, &hosts);
+        let mut sched = Schedule::default();
+        (algorithm.build)(&layout, &mut sched);
+        let mut exec = Execution::default();
+        exec.start(&sched, n, windows);
+        exec.trim();
+        engine::Member {
+            sched,
+            exec,
+            now: 0.0,
+            finished: None,
+        }
+    });
+    let out = engine::run(cluster, &mut members, report)?;
     Ok(Prediction {
         algorithm: algorithm.name,
         bytes: count * dtype.size(),
@@ -144,6 +147,29 @@ pub fn simulate_reporting(
         messages: out.messages,
         events: out.events,
         wall: started.elapsed(),
+    })
+}
+
+/// `build(rank)` for every rank of `n`, on every core for large `n` (the
+/// schedules of thousands of ranks take seconds to build, most of it
+/// the kernel clearing their pages).
+fn build_all<T: Send>(n: usize, build: impl Fn(usize) -> T + Sync) -> Vec<T> {
+    let threads = std::thread::available_parallelism().map_or(1, |c| c.get());
+    if n < 256 || threads == 1 {
+        return (0..n).map(build).collect();
+    }
+    let per = n.div_ceil(threads);
+    std::thread::scope(|s| {
+        let parts: Vec<_> = (0..n)
+            .step_by(per)
+            .map(|first| {
+                let build = &build;
+                s.spawn(move || (first..n.min(first + per)).map(build).collect::<Vec<_>>())
+            })
+            .collect();
+        (parts.into_iter())
+            .flat_map(|p| p.join().expect("a schedule build panicked"))
+            .collect()
     })
 }
 
