@@ -118,7 +118,7 @@ pub fn run(a: &SimArgs) -> Result<(), String> {
         for algo in &algos {
             if algos.len() > 1 {
                 let f = simulate::footprint(&cluster, algo, size, a.dtype, pipeline);
-                if f.steps.saturating_mul(f.queues) > LEAVE_OUT_WORK {
+                if f.work() > LEAVE_OUT_WORK {
                     writeln!(
                         out,
                         "#   {} at {size} B left out: {} steps, each rank looking at its {} queues \

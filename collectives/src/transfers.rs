@@ -90,22 +90,22 @@ impl Effects for Transfers<'_> {
         tag: Option<Tag>,
         slot: Option<usize>,
     ) -> transport::Result<Request> {
+        let span = step.span();
         let (mr, offset) = match slot {
             Some(slot) => {
-                if step.span().len > self.staging.slot_bytes {
+                if span.len > self.staging.slot_bytes {
                     return Err(transport::Error::Invalid(format!(
                         "a staged receive of {} bytes exceeds the {}-byte staging slots",
-                        step.span().len,
-                        self.staging.slot_bytes
+                        span.len, self.staging.slot_bytes
                     )));
                 }
                 (&self.staging.mr, slot * self.staging.slot_bytes)
             }
-            None => (&self.region(step.span().buf).mr, step.span().offset),
+            None => (&self.region(span.buf).mr, span.offset),
         };
         let mr = mr.clone();
         let tag = tag.unwrap_or(self.tag);
-        let (peer, send, len) = (step.peer(), step.is_send(), step.span().len);
+        let (peer, send, len) = (step.peer(), step.is_send(), span.len);
         self.recorder.stats.count_message(peer, send, len);
         let conn = connection(self.peers, peer)?;
         // SAFETY: the span or slot stays valid for the whole call (the

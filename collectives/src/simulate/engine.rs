@@ -8,7 +8,7 @@
 //! model fixes when it completes. Only the transfers at the heads of a
 //! rank's queues can let it move (the executor retires each queue in
 //! order), so a rank that stops is woken once, when the first of those
-//! completes ([`World::arm`]), not once per transfer.
+//! completes ([`Agenda::wake`]), not once per transfer.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -72,9 +72,6 @@ struct World<'c> {
     nics: Ports,
     shm: Ports,
     wakeups: Agenda,
-    /// Per rank, its earliest queued wake-up (infinite: none); queued ones
-    /// at other times are stale and skipped.
-    armed: Vec<f64>,
     messages: u64,
 }
 
@@ -115,15 +112,10 @@ pub(super) fn run(
         nics: Ports::new(cluster.hosts()),
         shm: Ports::new(cluster.ranks),
         wakeups: Agenda::new(members.len() as u32),
-        armed: vec![0.0; members.len()],
         messages: 0,
     };
     let mut events = 0;
     while let Some((at, rank)) = world.wakeups.pop() {
-        if world.armed[rank as usize] != at {
-            continue;
-        }
-        world.armed[rank as usize] = f64::INFINITY;
         prefetch_soon(&world.wakeups, members);
         let m = &mut members[rank as usize];
         if m.finished.is_some() {
@@ -153,7 +145,7 @@ pub(super) fn run(
                     let first = (m.exec.awaited())
                         .map(|t| fx.world.transfers[t as usize].done)
                         .fold(f64::INFINITY, f64::min);
-                    fx.world.arm(rank, first);
+                    fx.world.wakeups.wake(rank, first);
                 }
             }
             break;
@@ -208,15 +200,6 @@ struct RankEffects<'w, 'c> {
 }
 
 impl World<'_> {
-    /// Wakes `rank` at `at` unless it is woken by then anyway.
-    fn arm(&mut self, rank: u32, at: f64) {
-        let armed = &mut self.armed[rank as usize];
-        if at < *armed {
-            *armed = at;
-            self.wakeups.push(at, rank);
-        }
-    }
-
     fn new_transfer(&mut self, t: Transfer) -> u32 {
         match self.free.pop() {
             Some(id) => {
@@ -278,7 +261,7 @@ impl World<'_> {
 
     /// Both ends of transfer `id` posted (the last by `src` if `send`, else
     /// `dst`): the model says when it lands, and the other end wakes then
-    /// (the poster arms itself when it stops).
+    /// (the poster asks for its wake-up when it stops).
     fn matched(&mut self, id: u32, src: u32, dst: u32, send: bool, at: f64, bytes: usize) {
         let t = &mut self.transfers[id as usize];
         match send {
@@ -308,7 +291,7 @@ impl World<'_> {
         };
         self.transfers[id as usize].done = done;
         self.messages += 1;
-        self.arm(if send { dst } else { src }, done);
+        self.wakeups.wake(if send { dst } else { src }, done);
     }
 }
 

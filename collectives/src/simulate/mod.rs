@@ -193,6 +193,14 @@ pub struct Footprint {
     pub queues: usize,
 }
 
+impl Footprint {
+    /// What a simulation costs beyond its steps: the executor looks at each
+    /// of a rank's queues whenever the rank runs.
+    pub fn work(&self) -> usize {
+        self.steps.saturating_mul(self.queues)
+    }
+}
+
 pub fn footprint(
     cluster: &Cluster,
     algorithm: &'static Algorithm,
@@ -330,7 +338,7 @@ pub fn fastest(
         .filter(|a| a.collective == collective && algo::fits(a.name, &hosts))
         .filter(|a| {
             let f = footprint(cluster, a, bytes, dtype, pipeline);
-            f.steps <= CHOICE_MAX_STEPS && f.steps.saturating_mul(f.queues) <= CHOICE_MAX_WORK
+            f.steps <= CHOICE_MAX_STEPS && f.work() <= CHOICE_MAX_WORK
         })
         .map(|a| simulate(cluster, a, bytes, dtype, pipeline))
         .collect::<Result<Vec<_>, _>>()?;
