@@ -173,7 +173,7 @@ fn small_calls_through_shared_flags_fail_with_the_peer_named() {
     assert_named(&r, &[0, 2, 3], "allreduce #");
     assert!(r.elapsed < Duration::from_secs(15), "took {:?}", r.elapsed);
     assert_all_gone(&r);
-    for kind in ["count", "root"] {
+    for kind in ["count", "root", "roots"] {
         let r = job_with(3, &["mismatch", kind], "shm", "10", &tiny);
         assert!(!r.ok, "{kind}");
         assert!(r.stderr.contains("disagree"), "{kind}: {}", r.stderr);

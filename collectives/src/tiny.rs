@@ -22,7 +22,11 @@
 //! `k % SLOTS` for call `k` only once every rank published call
 //! `k + 1 - SLOTS`, which each did only after it finished the call that
 //! slot held before. Calls on the general path in between take no flag
-//! number.
+//! number. Each rank also keeps the number of its latest publication in a
+//! line of its own, so that one look at it frees up to `SLOTS - 1` calls:
+//! a rank that runs ahead reads a peer's line once per batch, not once a
+//! call, and the peer's writes to its slots find them still its own (8 B
+//! Broadcasts: 0.30 -> 0.27 us a call on 2 ranks, 0.87 -> 0.66 on 4).
 //!
 //! Every slot's label carries a hash of all the rank's flag calls so far,
 //! and every part read is checked against it: ranks that disagreed on an
@@ -58,6 +62,12 @@ use crate::{Communicator, DataType, ReduceOp, Result};
 /// the calls so far (at 36); a slot's header also says on which CPU its
 /// writer wrote it (+1, at 8).
 const HEADER: usize = 64;
+/// The progress line (the flag of the rank's latest published call, at 0)
+/// follows the control line; it is written every call and read seldom, so
+/// it shares a line with nothing read often.
+const PROGRESS: usize = HEADER;
+/// The slots follow the progress line.
+const SLOTS_AT: usize = 2 * HEADER;
 /// Slots per rank: how far ahead of the slowest rank a rank may run. More
 /// ranks than cores want many (a 4-rank Broadcast on 2 cores: 2 slots
 /// 4.6-6.0 us, 32 slots 0.8-1.7, 64 slots 10-35% less again).
@@ -109,10 +119,16 @@ impl Segment {
         self.base.as_ptr()
     }
 
+    /// The progress line: the flag of our latest published call.
+    fn progress(&self) -> *mut u8 {
+        // SAFETY: the segment begins with the control and progress lines.
+        unsafe { self.base.as_ptr().add(PROGRESS) }
+    }
+
     /// The slot of flag call `k`.
     fn slot(&self, k: u64, slot_bytes: usize) -> *mut u8 {
-        // SAFETY: the control line and SLOTS slots of `slot_bytes` fill the segment.
-        unsafe { (self.base.as_ptr().add(HEADER)).add((k % SLOTS) as usize * slot_bytes) }
+        // SAFETY: the two lines and SLOTS slots of `slot_bytes` fill the segment.
+        unsafe { (self.base.as_ptr().add(SLOTS_AT)).add((k % SLOTS) as usize * slot_bytes) }
     }
 
     /// The 32-bit word at `at` bytes into the header at `line`.
@@ -198,6 +214,9 @@ pub(crate) struct FlagCall {
     /// Ranks below this one published that call (before posting) or were
     /// taken into the output (after).
     next: Rank,
+    /// Before posting: the ranks below `next`, and we, published every
+    /// call up to this one.
+    reach: u64,
 }
 
 /// Whether `got` (a sequence word) has reached `want`, modulo 2^32.
@@ -224,7 +243,7 @@ impl Tiny {
     }
 
     fn segment_bytes(max_bytes: usize) -> usize {
-        HEADER + SLOTS as usize * Self::slot_bytes(max_bytes)
+        SLOTS_AT + SLOTS as usize * Self::slot_bytes(max_bytes)
     }
 
     /// This rank's segment, and what peers need to open it: (pid, fd).
@@ -307,6 +326,7 @@ impl Tiny {
             n: self.segments.len(),
             posted: false,
             next: 0,
+            reach: k.saturating_sub(1),
         };
         self.try_post(&mut call, input, output)?;
         Ok(call)
@@ -332,14 +352,19 @@ impl Tiny {
         if let Some(j) = self.gate(call) {
             while call.next < call.n {
                 let r = call.next;
-                let word = Segment::word(self.segments[r].slot(j, sb), 0);
-                if !reached(word.load(Ordering::Acquire), flag(j)) {
-                    return Ok(false);
+                if r != self.me {
+                    let latest = Segment::word(self.segments[r].progress(), 0);
+                    let ahead = latest.load(Ordering::Acquire).wrapping_sub(flag(j)) as i32;
+                    let Ok(ahead) = u64::try_from(ahead) else {
+                        return Ok(false);
+                    };
+                    // Its chain to its latest call we know checks all before.
+                    self.verify(r, (j + ahead).min(call.k))?;
+                    call.reach = call.reach.min(j + ahead);
                 }
-                self.verify(r, j)?;
                 call.next += 1;
             }
-            self.published = j + 1;
+            self.published = call.reach + 1;
         }
         let part = call.own_part(self.me, input, output);
         let mine = self.segments[self.me].slot(call.k, sb);
@@ -362,6 +387,8 @@ impl Tiny {
         let cpu = unsafe { libc::sched_getcpu() };
         Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
         word.store(flag(call.k), Ordering::SeqCst);
+        let progress = Segment::word(self.segments[self.me].progress(), 0);
+        progress.store(flag(call.k), Ordering::Release);
         self.wake_sleepers([mine]);
         (call.posted, call.next) = (true, 0);
         Ok(true)
