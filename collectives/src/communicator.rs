@@ -413,8 +413,7 @@ impl Communicator {
         // SAFETY: the caller's promise.
         let (input, output) = unsafe { self.nccl_bufs(args, send, recv, count, &mut workspace)? };
         // SAFETY: as above; `workspace` outlives the call.
-        let id = unsafe { self.start(args, input, output)? };
-        self.wait(id)
+        unsafe { self.run_raw(args, input, output) }
     }
 
     /// NCCL's buffer conventions (see [`call_raw`](Self::call_raw)) as the
@@ -449,10 +448,9 @@ impl Communicator {
         output: &mut [u8],
     ) -> Result<()> {
         // SAFETY: the borrows keep both buffers alive and to ourselves until
-        // `wait` returns, which is when the call has finished (or failed
+        // `run_raw` returns, which is when the call has finished (or failed
         // and the connections were aborted).
-        let id = unsafe { self.start(args, input.map(RawBuf::of), RawBuf::of_mut(output))? };
-        self.wait(id)
+        unsafe { self.run_raw(args, input.map(RawBuf::of), RawBuf::of_mut(output)) }
     }
 
     /// This call's sequence number: the communicator's for collectives, the

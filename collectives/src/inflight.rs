@@ -11,7 +11,10 @@
 //!   order however many are in flight.
 //!
 //! A blocking call is `start` then `wait`; the non-blocking layer starts
-//! calls as they come and steps them all while its caller computes.
+//! calls as they come and steps them all while its caller computes. A
+//! blocking small call with nothing else in flight runs alone on the flag
+//! path (`tiny.rs`) until it has to wait longer than a spin: it then joins
+//! the queue, where every waiting policy and failure lives.
 
 use std::os::fd::BorrowedFd;
 
@@ -122,6 +125,35 @@ impl Call {
     }
 }
 
+/// A call checked, numbered and recorded, before it is queued.
+#[derive(Clone, Copy)]
+struct Admitted {
+    id: CallId,
+    slot: Slot,
+    desc: CallDesc,
+    /// It has nothing to move: finished already.
+    skip: bool,
+}
+
+impl Admitted {
+    /// The state it joins the queue in.
+    fn state(&self) -> State {
+        match self.skip {
+            true => State::Finished(Ok(())),
+            false => State::Queued,
+        }
+    }
+}
+
+/// What became of a blocking call that tried the flag path alone.
+enum Alone {
+    Done,
+    /// It goes to the queue: to begin there, or posted and waiting.
+    Queue(State),
+    /// It goes to the queue and fails there (aborting the communicator).
+    Failed(State, transport::Error),
+}
+
 /// A running call's schedule, execution and registered buffers; kept for
 /// reuse when it finishes, so a small call allocates nothing.
 #[derive(Default)]
@@ -138,6 +170,11 @@ struct Running {
     /// ours and copies this rank's block here when done.
     copy_out: Option<RawBuf>,
 }
+
+/// How often a blocking flag call alone polls before it joins the queue
+/// (a few microseconds, about the poller's spin): the queue's bookkeeping
+/// is half the cost of an 8-byte call.
+const ALONE_POLLS: u32 = 64;
 
 /// The longest sleep on a flag: a peer's death or abort shows this soon.
 const FLAG_SLEEP: std::time::Duration = std::time::Duration::from_millis(10);
@@ -201,6 +238,91 @@ impl Communicator {
         input: Option<RawBuf>,
         output: RawBuf,
     ) -> Result<CallId> {
+        // SAFETY: the caller's promise.
+        let a = unsafe { self.admit(args, input, output)? };
+        self.enqueue(a, args, input, output, a.state());
+        self.begin_ready();
+        Ok(a.id)
+    }
+
+    /// Starts a call and waits for it: [`start`](Self::start) then
+    /// [`wait`](Self::wait), or, for a small call with nothing else in
+    /// flight, the flag path alone.
+    ///
+    /// # Safety
+    /// As [`start`](Self::start).
+    pub(crate) unsafe fn run_raw(
+        &mut self,
+        args: &CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+    ) -> Result<()> {
+        // SAFETY: the caller's promise.
+        let a = unsafe { self.admit(args, input, output)? };
+        let (state, failure) = match self.alone(&a, input, output) {
+            Alone::Done => return Ok(()),
+            Alone::Queue(state) => (state, None),
+            Alone::Failed(state, e) => (state, Some(e)),
+        };
+        let at = self.enqueue(a, args, input, output, state);
+        match failure {
+            Some(e) => self.fail(at, Error::collective(self.rank, a.desc, e)),
+            None => self.begin_ready(),
+        }
+        self.wait(a.id)
+    }
+
+    /// Runs call `a` on the flag path by itself if nothing else is in
+    /// flight and it takes that path: posts it and polls it a while. A call
+    /// that must wait longer, or fails, goes to the queue in the state it
+    /// is in.
+    fn alone(&mut self, a: &Admitted, input: Option<RawBuf>, output: RawBuf) -> Alone {
+        let bytes = input.map_or(0, |b| b.len).max(output.len);
+        let eligible = self.inflight.calls.is_empty()
+            && !a.skip
+            && a.desc.collective != Collective::PointToPoint
+            && recorder::dump_requests() <= self.recorder.dumps_seen
+            && (self.tiny.on()).is_some_and(|t| t.takes(a.desc.collective, bytes));
+        let Some(tiny) = self.tiny.on_mut().filter(|_| eligible) else {
+            return Alone::Queue(a.state());
+        };
+        let (desc, op) = (a.desc, a.desc.op.unwrap_or(ReduceOp::Sum));
+        // SAFETY: the caller's buffers, reserved for this call.
+        let (input, out) = unsafe { (input.map(|b| b.bytes()), output.bytes_mut()) };
+        let mut flags = match tiny.post(&desc, bytes, input, out) {
+            Ok(flags) => flags,
+            Err(e) => return Alone::Failed(State::Queued, e),
+        };
+        self.recorder.running(a.slot, "tiny", bytes);
+        for polls in 0..ALONE_POLLS {
+            match tiny.poll(&mut flags, input, out, desc.dtype, op) {
+                Ok(true) => {
+                    self.recorder.finished(a.slot, true);
+                    return Alone::Done;
+                }
+                Ok(false) => {}
+                Err(e) => return Alone::Failed(State::Flags(flags), e),
+            }
+            // The queue's first idle round yields to a peer on our core.
+            if polls == 0 && (tiny.crowded || tiny.shares_our_core(&flags)) {
+                break;
+            }
+            std::hint::spin_loop();
+        }
+        Alone::Queue(State::Flags(flags))
+    }
+
+    /// Checks and numbers a call (an argument error comes back here) and
+    /// records it; it is not queued yet.
+    ///
+    /// # Safety
+    /// As [`start`](Self::start).
+    unsafe fn admit(
+        &mut self,
+        args: &CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+    ) -> Result<Admitted> {
         if let Some(reason) = self.aborted() {
             self.close(&reason);
             return Err(Error::Aborted {
@@ -211,10 +333,9 @@ impl Communicator {
         // SAFETY: the caller's promise.
         let (i, o) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
         let desc = self.describe(args, i, o)?;
-        let count = desc.count;
         // Nothing to move (as in NCCL and MPI); barriers, point-to-point and
         // AllToAllv (whose peers may expect blocks) always run.
-        let skip = count == 0
+        let skip = desc.count == 0
             && !matches!(
                 args.collective,
                 Collective::Barrier | Collective::PointToPoint | Collective::AllToAllV
@@ -229,21 +350,33 @@ impl Communicator {
         if skip {
             self.recorder.finished(slot, true);
         }
-        self.inflight.calls.push(Call {
+        Ok(Admitted {
             id,
             slot,
-            args: args.clone(),
             desc,
+            skip,
+        })
+    }
+
+    /// Queues an admitted call in `state`; returns where it lies.
+    fn enqueue(
+        &mut self,
+        a: Admitted,
+        args: &CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+        state: State,
+    ) -> usize {
+        self.inflight.calls.push(Call {
+            id: a.id,
+            slot: a.slot,
+            args: args.clone(),
+            desc: a.desc,
             input,
             output,
-            state: if skip {
-                State::Finished(Ok(()))
-            } else {
-                State::Queued
-            },
+            state,
         });
-        self.begin_ready();
-        Ok(id)
+        self.inflight.calls.len() - 1
     }
 
     /// Gives a call its sequence number and checks it: its descriptor, or
