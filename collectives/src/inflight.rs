@@ -275,14 +275,13 @@ impl Communicator {
         self.wait(a.id)
     }
 
-    /// Runs call `a` on the flag path by itself if nothing else is in
-    /// flight and it takes that path: posts it and polls it a while. A call
-    /// that must wait longer, or fails, goes to the queue in the state it
-    /// is in.
+    /// Runs call `a` (with something to move) on the flag path by itself
+    /// if nothing else is in flight and it takes that path: posts it and
+    /// polls it a while. A call that must wait longer, or fails, goes to the
+    /// queue in the state it is in.
     fn alone(&mut self, a: &Admitted, input: Option<RawBuf>, output: RawBuf) -> Alone {
         let bytes = input.map_or(0, |b| b.len).max(output.len);
         let eligible = self.inflight.calls.is_empty()
-            && !a.skip
             && a.desc.collective != Collective::PointToPoint
             && recorder::dump_requests() <= self.recorder.dumps_seen
             && (self.tiny.on()).is_some_and(|t| t.takes(a.desc.collective, bytes));
