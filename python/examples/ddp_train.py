@@ -100,5 +100,10 @@ if rank == 0:
         print(f"# step time collectives / gloo: {summary['collectives'][1] / summary['gloo'][1]:.2f}")
         ok &= worst < 1e-4 and wdiff < 1e-4
     print("ddp ok" if ok else "ddp FAILED", flush=True)
+if "gloo" in groups and groups["gloo"] is not dist.group.WORLD:
+    # The Gloo group goes first, on every rank, before any rank exits and
+    # closes its sockets (see embedding_exchange.py).
+    dist.destroy_process_group(groups["gloo"])
+    dist.barrier()
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)

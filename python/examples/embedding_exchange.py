@@ -80,5 +80,10 @@ if rank == 0:
     ratio = statistics.median(times["gloo"][2:]) / statistics.median(times["collectives"][2:])
     print(f"# collectives is {ratio:.2f}x as fast as gloo; wrong lookups: {total.item()}")
     print("embedding ok" if total.item() == 0 else "embedding FAILED", flush=True)
+# The Gloo group goes first, on every rank, before any rank exits and closes
+# its sockets: torn down together, a rank once died at exit in CI
+# ("terminate called without an active exception", from C++).
+dist.destroy_process_group(groups["gloo"])
+dist.barrier()
 dist.destroy_process_group()
 sys.exit(1 if total.item() else 0)
