@@ -27,6 +27,7 @@ use crate::executor::{Execution, Progress, Windows};
 use crate::mesh::{Lane, LANES};
 use crate::recorder::{self, Slot};
 use crate::schedule::Schedule;
+use crate::tiny::{FlagCall, Tiny};
 use crate::transfers::{self, Region, Transfers};
 use crate::{Communicator, Error, ReduceOp, Result};
 
@@ -102,7 +103,7 @@ enum State {
     Queued,
     Running(Box<Running>),
     /// A small call on the flag path (`tiny.rs`).
-    Flags(crate::tiny::FlagCall),
+    Flags(FlagCall),
     Finished(Result<()>),
 }
 
@@ -118,11 +119,43 @@ struct Call {
 }
 
 impl Call {
-    /// The length of its larger buffer: what the selector and the flag
-    /// path go by.
+    /// See [`larger`].
     fn larger(&self) -> usize {
-        self.input.map_or(0, |b| b.len).max(self.output.len)
+        larger(self.input, self.output)
     }
+}
+
+/// The length of a call's larger buffer: what the selector and the flag
+/// path go by.
+fn larger(input: Option<RawBuf>, output: RawBuf) -> usize {
+    input.map_or(0, |b| b.len).max(output.len)
+}
+
+/// Posts flag call `desc` on the caller's buffers (`bytes`: the larger).
+fn post_flags(
+    tiny: &mut Tiny,
+    desc: &CallDesc,
+    bytes: usize,
+    input: Option<RawBuf>,
+    output: RawBuf,
+) -> transport::Result<FlagCall> {
+    // SAFETY: the caller's buffers, reserved for this call.
+    let (input, output) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
+    tiny.post(desc, bytes, input, output)
+}
+
+/// Polls flag call `flags` of `desc` on the caller's buffers.
+fn poll_flags(
+    tiny: &mut Tiny,
+    flags: &mut FlagCall,
+    desc: &CallDesc,
+    input: Option<RawBuf>,
+    output: RawBuf,
+) -> transport::Result<bool> {
+    // SAFETY: the caller's buffers, reserved for this call.
+    let (input, output) = unsafe { (input.map(|b| b.bytes()), output.bytes_mut()) };
+    let op = desc.op.unwrap_or(ReduceOp::Sum);
+    tiny.poll(flags, input, output, desc.dtype, op)
 }
 
 /// A call checked, numbered and recorded, before it is queued.
@@ -131,6 +164,8 @@ struct Admitted {
     id: CallId,
     slot: Slot,
     desc: CallDesc,
+    /// Its larger buffer's length.
+    bytes: usize,
     /// It has nothing to move: finished already.
     skip: bool,
 }
@@ -280,24 +315,20 @@ impl Communicator {
     /// polls it a while. A call that must wait longer, or fails, goes to the
     /// queue in the state it is in.
     fn alone(&mut self, a: &Admitted, input: Option<RawBuf>, output: RawBuf) -> Alone {
-        let bytes = input.map_or(0, |b| b.len).max(output.len);
-        let eligible = self.inflight.calls.is_empty()
-            && a.desc.collective != Collective::PointToPoint
-            && recorder::dump_requests() <= self.recorder.dumps_seen
-            && (self.tiny.on()).is_some_and(|t| t.takes(a.desc.collective, bytes));
-        let Some(tiny) = self.tiny.on_mut().filter(|_| eligible) else {
-            return Alone::Queue(a.state());
+        let eligible =
+            self.inflight.calls.is_empty() && recorder::dump_requests() <= self.recorder.dumps_seen;
+        let Some(tiny) =
+            (self.tiny.on_mut()).filter(|t| eligible && t.takes(a.desc.collective, a.bytes))
+        else {
+            return Alone::Queue(State::Queued);
         };
-        let (desc, op) = (a.desc, a.desc.op.unwrap_or(ReduceOp::Sum));
-        // SAFETY: the caller's buffers, reserved for this call.
-        let (input, out) = unsafe { (input.map(|b| b.bytes()), output.bytes_mut()) };
-        let mut flags = match tiny.post(&desc, bytes, input, out) {
+        let mut flags = match post_flags(tiny, &a.desc, a.bytes, input, output) {
             Ok(flags) => flags,
             Err(e) => return Alone::Failed(State::Queued, e),
         };
-        self.recorder.running(a.slot, "tiny", bytes);
+        self.recorder.running(a.slot, "tiny", a.bytes);
         for polls in 0..ALONE_POLLS {
-            match tiny.poll(&mut flags, input, out, desc.dtype, op) {
+            match poll_flags(tiny, &mut flags, &a.desc, input, output) {
                 Ok(true) => {
                     self.recorder.finished(a.slot, true);
                     return Alone::Done;
@@ -347,7 +378,7 @@ impl Communicator {
         let peer = args
             .peer
             .map(|p| (p.rank(), matches!(p, crate::Peer::To(_))));
-        let bytes = input.map_or(0, |b| b.len).max(output.len);
+        let bytes = larger(input, output);
         let slot = self.recorder.start(desc, peer, bytes);
         if skip {
             self.recorder.finished(slot, true);
@@ -356,6 +387,7 @@ impl Communicator {
             id,
             slot,
             desc,
+            bytes,
             skip,
         })
     }
@@ -453,11 +485,7 @@ impl Communicator {
             if let State::Flags(flags) = &mut call.state {
                 let tiny = self.tiny.on_mut().expect("a flag call has the flag path");
                 let (before, desc) = (flags.mark(), call.desc);
-                // SAFETY: the caller's buffers, reserved for this call.
-                let (input, out) =
-                    unsafe { (call.input.map(|b| b.bytes()), call.output.bytes_mut()) };
-                let op = desc.op.unwrap_or(ReduceOp::Sum);
-                match tiny.poll(flags, input, out, desc.dtype, op) {
+                match poll_flags(tiny, flags, &desc, call.input, call.output) {
                     Ok(true) => self.finish(at, Ok(())),
                     Ok(false) if flags.mark() == before => continue,
                     Ok(false) => {}
@@ -875,9 +903,7 @@ impl Communicator {
             tiny.mark_general(&call.desc, bytes);
             return Ok(false);
         }
-        // SAFETY: the caller's buffers, reserved for this call.
-        let (input, output) = unsafe { (call.input.map(|b| b.bytes()), call.output.bytes()) };
-        let flags = (tiny.post(&call.desc, bytes, input, output))
+        let flags = post_flags(tiny, &call.desc, bytes, call.input, call.output)
             .map_err(|e| Error::collective(self.rank, call.desc, e))?;
         call.state = State::Flags(flags);
         self.recorder.running(call.slot, "tiny", bytes);

@@ -54,8 +54,7 @@ if rank == 0:
         a, b = (statistics.median(times[(k, s)]) * 1e6 for k in groups)
         print(f"  {s:>10} {a:>15.1f} {b:>12.1f} {b / a:>17.1f}")
 # The Gloo group goes first, on every rank, before any rank exits and closes
-# its sockets: torn down together, a rank once died at exit in CI
-# ("terminate called without an active exception", from C++).
+# its sockets (see embedding_exchange.py).
 dist.destroy_process_group(groups["gloo"])
 dist.barrier()
 dist.destroy_process_group()
