@@ -102,8 +102,15 @@ impl Recorder {
             .and_then(|v| v.trim().parse().ok())
             .unwrap_or(DEFAULT_CALLS)
             .max(1);
+        let mut ring = Vec::with_capacity(capacity.min(1 << 16));
+        // Fault the ring's pages in now: the first calls would otherwise
+        // take a page fault every ~40 records (2-rank 8 B Broadcast, 1000
+        // calls after 100 warmup: 0.19 -> 0.14 us a call).
+        for e in ring.spare_capacity_mut() {
+            *e = std::mem::MaybeUninit::zeroed();
+        }
         Recorder {
-            ring: Vec::with_capacity(capacity.min(1 << 16)),
+            ring,
             capacity,
             recorded: 0,
             next: 0,
