@@ -73,8 +73,12 @@ const SLOTS_AT: usize = 2 * HEADER;
 /// Slots per rank: how far ahead of the slowest rank a rank may run. More
 /// ranks than cores want many (a 4-rank Broadcast on 2 cores: 2 slots
 /// 4.6-6.0 us, 32 slots 0.8-1.7, 64 slots 10-35% less again; 128 slots,
-/// headers side by side, 8 ranks: 0.88 -> 0.69 us, 2 ranks 0.20 -> 0.18).
-const SLOTS: u64 = 128;
+/// headers side by side, 8 ranks: 0.88 -> 0.69 us, 2 ranks 0.20 -> 0.18;
+/// 512: 8 ranks 0.8x the time of 128, and with a busy loop on one core the
+/// worst of 10 4-rank runs 1.6 us instead of 12: a root that waits yields
+/// its core to that loop for a whole time slice). 2.1 MB a rank at the
+/// default `COLL_TINY`, mostly the slots' data, touched only by larger parts.
+const SLOTS: u64 = 512;
 /// A rank that must wait for a slot waits until this many more are free
 /// (`Tiny::gate`); less than `SLOTS - 1`, so it waits only for calls it
 /// made already.
