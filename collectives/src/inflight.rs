@@ -610,7 +610,9 @@ impl Communicator {
         // needs its core (ranks outnumber cores, or the scheduler put both
         // on one) yields, and at once.
         match phase {
-            Phase::Spin | Phase::Yield if tiny.crowded || tiny.shares_our_core(flags) => {
+            Phase::Spin | Phase::Yield
+                if (tiny.crowded && tiny.peers_on_our_core()) || tiny.shares_our_core(flags) =>
+            {
                 return std::thread::yield_now()
             }
             Phase::Spin | Phase::Yield => return std::hint::spin_loop(),

@@ -430,8 +430,9 @@ impl Tiny {
         let cpu = unsafe { libc::sched_getcpu() };
         Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
         word.store(flag(call.k), Ordering::SeqCst);
-        let progress = Segment::word(self.segments[self.me].progress(), 0);
-        progress.store(flag(call.k), Ordering::Release);
+        let progress = self.segments[self.me].progress();
+        Segment::word(progress, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
+        Segment::word(progress, 0).store(flag(call.k), Ordering::Release);
         self.wake_sleepers([mine]);
         (call.posted, call.next) = (true, 0);
         Ok(true)
@@ -586,6 +587,18 @@ impl Tiny {
         // SAFETY: as in `try_post`.
         let ours = unsafe { libc::sched_getcpu() };
         theirs == ours.wrapping_add(1) as u32
+    }
+
+    /// Whether a peer last published from the CPU we run on: it may be
+    /// waiting there for it, and yielding gives it the core. Else a yield
+    /// only hands the core to other work (a busy loop, another job), for a
+    /// whole time slice, while every rank waits for us.
+    pub fn peers_on_our_core(&self) -> bool {
+        // SAFETY: as in `try_post`.
+        let ours = unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32;
+        (self.segments.iter().enumerate()).any(|(r, s)| {
+            r != self.me && Segment::word(s.progress(), CPU).load(Ordering::Relaxed) == ours
+        })
     }
 
     /// What can be known of the rank `call` waits on: it published the
