@@ -1,0 +1,61 @@
+#!/usr/bin/env python3
+"""Two (or more) builds of collbench side by side: A/B for a change.
+
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N]
+
+Runs each binary in turn, ROUNDS times (the order reversed every other
+round), at one size, and prints per binary the median time per call (out of
+place), its quartiles and the median of the per-round ratios to BIN_A. This
+machine's speed drifts by 1.5-2x from minute to minute (see
+ci/linepingpong.c); runs next to each other in time see the same drift, so
+the paired ratio says more than two medians taken apart. A BIN named "mpi"
+runs Open MPI (ci/mpibench.c built as target/compare/mpibench, as
+ci/compare.sh builds it). Copy each build aside first (cp
+target/release/collbench /tmp/cb-a), then rebuild.
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run(binary, coll, ranks, size, iters):
+    if binary == "mpi":
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+                   OMPI_MCA_rmaps_base_oversubscribe="1")
+        out = subprocess.run(["mpirun.openmpi", "-n", ranks, "target/compare/mpibench", coll, size],
+                             capture_output=True, text=True, env=env, check=True).stdout
+        return float(out.strip().splitlines()[-1].split()[2])
+    cmd = [binary, coll, "-n", ranks, "-b", size, "-e", size, "--json", "-"]
+    if iters:
+        cmd += ["--iters", iters]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["rows"][0]["out_of_place"]["time_us"]
+
+
+def main():
+    args = sys.argv[1:]
+    iters = None
+    if "--iters" in args:
+        at = args.index("--iters")
+        iters = args[at + 1]
+        del args[at:at + 2]
+    if len(args) < 6:
+        sys.exit(__doc__)
+    coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
+    times = {b: [] for b in bins}
+    for r in range(rounds):
+        for b in bins if r % 2 == 0 else bins[::-1]:
+            times[b].append(run(b, coll, ranks, size, iters))
+    base = times[bins[0]]
+    for b in bins:
+        t = times[b]
+        q = statistics.quantiles(t, n=4) if len(t) > 1 else [t[0]] * 3
+        ratio = statistics.median(x / y for x, y in zip(t, base))
+        print(f"{coll} {ranks} ranks {size} B  {b:24s} median {statistics.median(t):.3f} us "
+              f"(q1 {q[0]:.3f}, q3 {q[2]:.3f})  paired ratio to {bins[0]}: {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
