@@ -11,9 +11,20 @@ use std::time::Duration;
 use integration_tests::{run, Run};
 
 fn job(ranks: usize, mode: &str, transport: &str, timeout_s: &str) -> Run {
+    job_with(ranks, mode, transport, timeout_s, &[])
+}
+
+fn job_with(
+    ranks: usize,
+    mode: &str,
+    transport: &str,
+    timeout_s: &str,
+    extra: &[(&str, &str)],
+) -> Run {
     let worker = Path::new(env!("CARGO_BIN_EXE_coll-worker"));
     let n = ranks.to_string();
-    let env = [("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    let mut env = vec![("COLL_TIMEOUT", timeout_s), ("COLL_TRANSPORT", transport)];
+    env.extend_from_slice(extra);
     run(
         worker,
         &["--ranks", &n, mode],
@@ -43,6 +54,20 @@ fn rooted_calls_in_long_runs_stay_right_while_ranks_run_ahead() {
         assert_ok(
             &job(n, "rooted", t, "30"),
             &format!("rooted calls, {n} ranks over {t}"),
+        );
+    }
+}
+
+/// A root that broadcasts thousands of calls in a row runs as far ahead as
+/// the flag path's slots allow; every call is checked on every rank. With
+/// a COLL_TINY over 4 KiB there are fewer data slots than slot headers (64
+/// at 64 KiB), and a part that does not go inline waits for its own.
+#[test]
+fn a_broadcast_stream_stays_right_however_far_the_root_runs_ahead() {
+    for tiny in ["4K", "64K"] {
+        assert_ok(
+            &job_with(3, "stream", "shm", "30", &[("COLL_TINY", tiny)]),
+            &format!("a stream of broadcasts, 3 ranks, COLL_TINY={tiny}"),
         );
     }
 }

@@ -116,6 +116,7 @@ fn run(mode: &[String]) -> Result<(), String> {
         }
         "overlap" => overlap(comm).map_err(e),
         "rooted" => rooted(&mut comm),
+        "stream" => stream(&mut comm),
         "group" => group(&mut comm),
         "pause" => pause(&mut comm),
         "skip" | "different" => odd_call(&mut comm, name == "skip").map_err(e),
@@ -133,6 +134,25 @@ fn run(mode: &[String]) -> Result<(), String> {
 /// each call, with an AllReduce now and then: ranks that read little run
 /// ahead of the others on the flag path (`tiny.rs`), and every result is
 /// checked right after its call.
+/// Rank 0 broadcasts 4000 calls in a row, each of another length and
+/// content, and every rank checks each: the root runs as far ahead as the
+/// flag path's slots let it, and a slot it rewrote too early shows here.
+fn stream(comm: &mut Communicator) -> Result<(), String> {
+    let me = comm.rank();
+    let value = |i: usize, j: usize| (i * 1000 + j) as i64;
+    for i in 0..4000 {
+        let len = 4 + i % 61;
+        let mut buf: Vec<i64> = (0..len)
+            .map(|j| if me == 0 { value(i, j) } else { -1 })
+            .collect();
+        comm.broadcast(&mut buf, 0).map_err(|e| e.to_string())?;
+        if let Some(j) = (0..len).find(|&j| buf[j] != value(i, j)) {
+            return Err(format!("broadcast {i}: element {j} is {}", buf[j]));
+        }
+    }
+    comm.barrier().map_err(|e| e.to_string())
+}
+
 fn rooted(comm: &mut Communicator) -> Result<(), String> {
     let (me, n) = (comm.rank(), comm.size());
     let value = |i: usize, r: usize, j: usize| (i * 31 + r * 7 + j) as i64;

@@ -49,7 +49,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::Duration;
 
-use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
+use rustix::mm::{madvise, mmap, munmap, Advice, MapFlags, ProtFlags};
 use rustix::thread::futex;
 use transport::{Rank, Tag};
 
@@ -79,11 +79,15 @@ const SLOTS_AT: usize = 2 * HEADER;
 /// its core to that loop for a whole time slice). 2.1 MB a rank at the
 /// default `COLL_TINY`, mostly the slots' data, touched only by larger parts.
 const SLOTS: u64 = 512;
-/// A rank that must wait for a slot waits until this many more are free
-/// (`Tiny::gate`); less than `SLOTS - 1`, so it waits only for calls it
-/// made already.
-const BATCH: u64 = SLOTS / 4;
+/// The slots' data takes about this much of a segment at most: with a
+/// `COLL_TINY` over 4 KiB there are fewer data slots than headers (never
+/// fewer than `MIN_DATA_SLOTS`), and a part that does not fit its header's
+/// line waits for its data slot to be free (`Tiny::gate`).
+const DATA_BUDGET: usize = 2 << 20;
+const MIN_DATA_SLOTS: u64 = 64;
 const CPU: usize = 8;
+/// How much of a segment is mapped in when it is opened (`Segment::map`).
+const PREFAULT: usize = 4 << 20;
 /// A part of at most `INLINE` bytes follows its header in the same cache
 /// line: a reader of a small call fetches one line per rank, not two.
 const DATA: usize = 40;
@@ -94,11 +98,12 @@ const SLEEPING_ON: usize = 4;
 const LEFT: usize = 12;
 
 /// One rank's segment, mapped: its control and progress lines, `SLOTS`
-/// slot headers, then `SLOTS` slots' data of `data_bytes` each.
+/// slot headers, then `data_slots` slots' data of `data_bytes` each.
 struct Segment {
     base: NonNull<u8>,
     len: usize,
     data_bytes: usize,
+    data_slots: u64,
     _fd: OwnedFd,
 }
 
@@ -120,17 +125,26 @@ impl Segment {
             true => ProtFlags::READ | ProtFlags::WRITE,
             false => ProtFlags::READ,
         };
-        // Every page mapped now, not at its first use: each rank would
+        // SAFETY: a fresh shared mapping of a file of at least `len` bytes.
+        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0)? };
+        // Pages mapped now, not at their first use: each rank would
         // otherwise fault on every page of every peer's segment it reads,
         // in the first calls (8-rank 8 B Broadcast, 1000 calls: 1.13 ->
-        // 0.79 us a call).
-        let flags = MapFlags::SHARED | MapFlags::POPULATE;
-        // SAFETY: a fresh shared mapping of a file of at least `len` bytes.
-        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, flags, &fd, 0)? };
+        // 0.79 us a call). Up to `PREFAULT` bytes: the headers and, at the
+        // default `COLL_TINY`, all the data; a larger one's data faults in
+        // as it is used, rather than every rank mapping it all at once.
+        let advice = match writable {
+            true => Advice::LinuxPopulateWrite,
+            false => Advice::LinuxPopulateRead,
+        };
+        // SAFETY: advice on our own fresh mapping. An old kernel refuses
+        // it; the pages then fault in as they are used.
+        let _ = unsafe { madvise(ptr, len.min(PREFAULT), advice) };
         Ok(Segment {
             base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
             len,
             data_bytes: Self::data_bytes(max_bytes),
+            data_slots: Self::data_slots(max_bytes),
             _fd: fd,
         })
     }
@@ -143,9 +157,18 @@ impl Segment {
         }
     }
 
+    /// How many slots have room for a part too large to go inline.
+    fn data_slots(max_bytes: usize) -> u64 {
+        match Self::data_bytes(max_bytes) {
+            0 => SLOTS,
+            d => ((DATA_BUDGET / d) as u64).clamp(MIN_DATA_SLOTS, SLOTS),
+        }
+    }
+
     /// A segment's length for parts of up to `max_bytes`.
     fn bytes(max_bytes: usize) -> usize {
-        SLOTS_AT + SLOTS as usize * (HEADER + Self::data_bytes(max_bytes))
+        let data = Self::data_slots(max_bytes) as usize * Self::data_bytes(max_bytes);
+        SLOTS_AT + SLOTS as usize * HEADER + data
     }
 
     /// The control line: the last general-path collective, who we sleep on.
@@ -172,9 +195,10 @@ impl Segment {
             // SAFETY: within the slot's header line.
             return unsafe { self.slot(k).add(DATA) };
         }
-        let at = SLOTS_AT + SLOTS as usize * HEADER + (k % SLOTS) as usize * self.data_bytes;
-        // SAFETY: the segment holds SLOTS slots' data after the headers,
-        // each `data_bytes` long, and parts are at most that.
+        let at =
+            SLOTS_AT + SLOTS as usize * HEADER + (k % self.data_slots) as usize * self.data_bytes;
+        // SAFETY: the segment holds `data_slots` slots' data after the
+        // headers, each `data_bytes` long, and parts are at most that.
         unsafe { self.base.as_ptr().add(at) }
     }
 
@@ -371,16 +395,22 @@ impl Tiny {
     }
 
     /// The flag call whose publication by every rank `call` waits to see
-    /// before it writes its slot, if it must look: call `k + 1 - SLOTS`
-    /// frees the slot, but a rank that must look waits for `BATCH` calls
-    /// more. Else a rank held back by a slower one looked again at every
-    /// call, and each look at the slower rank's lines cost it their
-    /// ownership back, in every call it made.
+    /// before it writes its slot, if it must look: call `k + 1 - window`
+    /// frees the slot (`window`: `SLOTS`, or the data slots for a part
+    /// that does not go inline), but a rank that must look waits for a
+    /// quarter of the window more. Else a rank held back by a slower one
+    /// looked again at every call, and each look at the slower rank's
+    /// lines cost it their ownership back, in every call it made. It only
+    /// ever waits for calls it made already.
     fn gate(&self, call: &FlagCall) -> Option<u64> {
+        let window = match call.part_len(self.me) > INLINE {
+            true => self.segments[self.me].data_slots,
+            false => SLOTS,
+        };
         (call.k + 1)
-            .checked_sub(SLOTS)
+            .checked_sub(window)
             .filter(|&j| j >= self.published)
-            .map(|j| j + BATCH)
+            .map(|j| j + window / 4)
     }
 
     /// Posts `call` once every rank published the call its `gate` names;
