@@ -130,10 +130,6 @@ fn run(mode: &[String]) -> Result<(), String> {
     }
 }
 
-/// Broadcasts and Reduces in long runs, the root rotating and the data new
-/// each call, with an AllReduce now and then: ranks that read little run
-/// ahead of the others on the flag path (`tiny.rs`), and every result is
-/// checked right after its call.
 /// Rank 0 broadcasts 4000 calls in a row, each of another length and
 /// content, and every rank checks each: the root runs as far ahead as the
 /// flag path's slots let it, and a slot it rewrote too early shows here.
@@ -153,6 +149,10 @@ fn stream(comm: &mut Communicator) -> Result<(), String> {
     comm.barrier().map_err(|e| e.to_string())
 }
 
+/// Broadcasts and Reduces in long runs, the root rotating and the data new
+/// each call, with an AllReduce now and then: ranks that read little run
+/// ahead of the others on the flag path (`tiny.rs`), and every result is
+/// checked right after its call.
 fn rooted(comm: &mut Communicator) -> Result<(), String> {
     let (me, n) = (comm.rank(), comm.size());
     let value = |i: usize, r: usize, j: usize| (i * 31 + r * 7 + j) as i64;

@@ -337,7 +337,7 @@ impl Communicator {
                 Err(e) => return Alone::Failed(State::Flags(flags), e),
             }
             // The queue's first idle round yields to a peer on our core.
-            if polls == 0 && (tiny.crowded || tiny.shares_our_core(&flags)) {
+            if polls == 0 && tiny.yields_core(&flags) {
                 break;
             }
             std::hint::spin_loop();
@@ -607,12 +607,9 @@ impl Communicator {
         // makes its writer pay a wake-up, and a late reader the next
         // writer, a convoy. Yielding would hand a core shared with other
         // work to that work for a whole time slice: only a rank whose peer
-        // needs its core (ranks outnumber cores, or the scheduler put both
-        // on one) yields, and at once.
+        // last ran on its core yields, and at once (`Tiny::yields_core`).
         match phase {
-            Phase::Spin | Phase::Yield
-                if (tiny.crowded && tiny.peers_on_our_core()) || tiny.shares_our_core(flags) =>
-            {
+            Phase::Spin | Phase::Yield if tiny.yields_core(flags) => {
                 return std::thread::yield_now()
             }
             Phase::Spin | Phase::Yield => return std::hint::spin_loop(),

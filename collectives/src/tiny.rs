@@ -60,16 +60,20 @@ use crate::{Communicator, DataType, ReduceOp, Result};
 /// The control line, then each slot, starts with this many bytes of header:
 /// a sequence word (at 0), a tag (at 16), a length (at 32) and the hash of
 /// the calls so far (at 36); a slot's header also says on which CPU its
-/// writer wrote it (+1, at 8).
+/// writer wrote it (+1, at `CPU`).
 const HEADER: usize = 64;
-/// The progress line (the flag of the rank's latest published call, at 0)
-/// follows the control line; it is written every call and read seldom, so
-/// it shares a line with nothing read often.
+/// The progress line (the flag of the rank's latest published call, at 0,
+/// and the CPU it published it from, +1, at `CPU`, as in that call's
+/// slot: a crowded rank asks where every peer is without touching their
+/// slots) follows the control line; it is written every call and read
+/// seldom, so it shares a line with nothing read often.
 const PROGRESS: usize = HEADER;
 /// The slots' headers follow the progress line, one line each, side by
 /// side: a run of small calls walks consecutive lines of a few pages, not
 /// a page a call (the slots' data is apart, after the last header).
 const SLOTS_AT: usize = 2 * HEADER;
+/// The slots' data follows their headers.
+const DATA_AT: usize = SLOTS_AT + SLOTS as usize * HEADER;
 /// Slots per rank: how far ahead of the slowest rank a rank may run. More
 /// ranks than cores want many (a 4-rank Broadcast on 2 cores: 2 slots
 /// 4.6-6.0 us, 32 slots 0.8-1.7, 64 slots 10-35% less again; 128 slots,
@@ -168,7 +172,7 @@ impl Segment {
     /// A segment's length for parts of up to `max_bytes`.
     fn bytes(max_bytes: usize) -> usize {
         let data = Self::data_slots(max_bytes) as usize * Self::data_bytes(max_bytes);
-        SLOTS_AT + SLOTS as usize * HEADER + data
+        DATA_AT + data
     }
 
     /// The control line: the last general-path collective, who we sleep on.
@@ -195,8 +199,7 @@ impl Segment {
             // SAFETY: within the slot's header line.
             return unsafe { self.slot(k).add(DATA) };
         }
-        let at =
-            SLOTS_AT + SLOTS as usize * HEADER + (k % self.data_slots) as usize * self.data_bytes;
+        let at = DATA_AT + (k % self.data_slots) as usize * self.data_bytes;
         // SAFETY: the segment holds `data_slots` slots' data after the
         // headers, each `data_bytes` long, and parts are at most that.
         unsafe { self.base.as_ptr().add(at) }
@@ -262,8 +265,8 @@ pub(crate) struct Tiny {
     published: u64,
     /// Our last `SLOTS` calls' tags and chains, by slot.
     history: [(Tag, u32); SLOTS as usize],
-    /// The host's ranks outnumber its cores: a waiting rank yields.
-    pub crowded: bool,
+    /// The host's ranks outnumber its cores (`yields_core`).
+    crowded: bool,
 }
 
 /// A flag call in flight.
@@ -457,11 +460,11 @@ impl Tiny {
             Segment::write_label(mine, label);
         }
         // SAFETY: no arguments; glibc reads it from the thread's rseq area.
-        let cpu = unsafe { libc::sched_getcpu() };
-        Segment::word(mine, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
+        let cpu = unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32;
+        Segment::word(mine, CPU).store(cpu, Ordering::Relaxed);
         word.store(flag(call.k), Ordering::SeqCst);
-        let progress = self.segments[self.me].progress();
-        Segment::word(progress, CPU).store(cpu.wrapping_add(1) as u32, Ordering::Relaxed);
+        let progress = own.progress();
+        Segment::word(progress, CPU).store(cpu, Ordering::Relaxed);
         Segment::word(progress, 0).store(flag(call.k), Ordering::Release);
         self.wake_sleepers([mine]);
         (call.posted, call.next) = (true, 0);
@@ -608,27 +611,22 @@ impl Tiny {
         }
     }
 
-    /// Whether the rank `call` waits on last wrote on the CPU we run on: it
-    /// then needs our core to go on, and we should yield it.
-    pub fn shares_our_core(&self, call: &FlagCall) -> bool {
-        let (r, j) = self.awaited(call);
-        let last = self.segments[r].slot(j.wrapping_sub(1));
-        let theirs = Segment::word(last, CPU).load(Ordering::Relaxed);
-        // SAFETY: as in `try_post`.
-        let ours = unsafe { libc::sched_getcpu() };
-        theirs == ours.wrapping_add(1) as u32
-    }
-
-    /// Whether a peer last published from the CPU we run on: it may be
-    /// waiting there for it, and yielding gives it the core. Else a yield
-    /// only hands the core to other work (a busy loop, another job), for a
-    /// whole time slice, while every rank waits for us.
-    pub fn peers_on_our_core(&self) -> bool {
+    /// Whether a rank waiting on `call` should yield its core: when the
+    /// rank it waits on last published from our CPU (it needs the core to
+    /// go on), or, on a host whose ranks outnumber its cores, when any peer
+    /// did (it may be waiting there for it). Else a yield only hands the
+    /// core to other work (a busy loop, another job) for a whole time
+    /// slice, while every rank waits for us.
+    pub fn yields_core(&self, call: &FlagCall) -> bool {
         // SAFETY: as in `try_post`.
         let ours = unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32;
-        (self.segments.iter().enumerate()).any(|(r, s)| {
-            r != self.me && Segment::word(s.progress(), CPU).load(Ordering::Relaxed) == ours
-        })
+        let on_ours = |line: *mut u8| Segment::word(line, CPU).load(Ordering::Relaxed) == ours;
+        // The awaited rank's previous slot, a line we read lately, not its
+        // progress line, which it writes at every call.
+        let (r, j) = self.awaited(call);
+        let mut peers = (self.segments.iter().enumerate()).filter(|&(p, _)| p != self.me);
+        on_ours(self.segments[r].slot(j.wrapping_sub(1)))
+            || (self.crowded && peers.any(|(_, s)| on_ours(s.progress())))
     }
 
     /// What can be known of the rank `call` waits on: it published the
