@@ -131,6 +131,16 @@ pub struct BenchArgs {
     #[arg(short = 'w', long)]
     pub warmup: Option<usize>,
 
+    /// Milliseconds of barriers before the first size, so every rank is
+    /// where the scheduler will keep it: a job's ranks start wherever the
+    /// kernel forks them and move between the cores for the next tens of
+    /// milliseconds (with other work on a core, 3 ms stalls meanwhile, which
+    /// 1000 calls of 8 B would average into 5 us a call). 0: none. (mpirun
+    /// and torch take 0.3 s and more to start their ranks, which settles
+    /// them)
+    #[arg(long, default_value_t = 100)]
+    pub settle: u64,
+
     /// Check results against the expected values (1) or not (0)
     #[arg(short = 'c', long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub check: u8,

@@ -341,7 +341,7 @@ fn print_preamble(
     let (iters, warmup) = args.iterations(smallest);
     writeln!(
         out,
-        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}",
+        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}, after {} ms of barriers",
         bench::describe_dtype(args.dtype),
         match bench.collective.rooted() {
             true => format!(", root {}", args.root),
@@ -349,6 +349,7 @@ fn print_preamble(
         },
         if args.check == 1 { "on" } else { "off" },
         human_bytes(smallest),
+        args.settle,
     )?;
     for ranks in comm.hosts() {
         writeln!(out, "#   host {}: ranks {ranks:?}", comm.hostname(ranks[0]))?;
