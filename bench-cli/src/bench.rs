@@ -35,15 +35,13 @@ const SETTLE_ROUND: usize = 100;
 /// rank's clock says so): `--settle`.
 pub fn settle(comm: &mut Communicator, ms: u64) -> Result<(), collectives::Error> {
     let until = Instant::now() + Duration::from_millis(ms);
-    while ms > 0 {
+    let mut more = [u32::from(ms > 0)];
+    while more[0] != 0 {
         for _ in 0..SETTLE_ROUND {
             comm.barrier()?;
         }
-        let mut more = [u32::from(Instant::now() < until)];
+        more = [u32::from(Instant::now() < until)];
         comm.all_reduce_in_place(&mut more, ReduceOp::Max)?;
-        if more[0] == 0 {
-            break;
-        }
     }
     Ok(())
 }
