@@ -19,7 +19,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
-/// | `COLL_TINY` | AllReduces up to this many bytes (and barriers) among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never) | 4K |
+/// | `COLL_TINY` | small calls (AllReduce, Reduce, ReduceScatter, AllGather, AllToAll, Broadcast; up to this many bytes) and barriers among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never; at most 1M) | 4K |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -40,6 +40,11 @@ pub struct Config {
     /// one host take the flag path (`tiny.rs`); 0: never.
     pub tiny_bytes: usize,
 }
+
+/// The largest `tiny_bytes`: the flag path keeps at least 64 parts of this
+/// size per rank in shared memory that every rank of the host maps (64 MiB
+/// a rank at 1 MiB), and calls that large move as fast on the general path.
+pub const MAX_TINY: usize = 1 << 20;
 
 impl Default for Config {
     fn default() -> Self {
@@ -97,6 +102,14 @@ impl Config {
         }
         if !(1..=64).contains(&self.depth) {
             return Err(format!("pipeline depth {} is not in 1..=64", self.depth));
+        }
+        if self.tiny_bytes > MAX_TINY {
+            return Err(format!(
+                "COLL_TINY (tiny_bytes) {} is above 1M: the flag path keeps 64 parts of that \
+                 size per rank in shared memory every local rank maps; larger calls belong \
+                 on the general path",
+                self.tiny_bytes
+            ));
         }
         if self.timeout.is_zero() {
             return Err("timeout must be positive".into());
@@ -215,6 +228,17 @@ mod tests {
         assert_eq!(parse_size("1.5k"), Ok(1536));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("-1").is_err());
+    }
+
+    #[test]
+    fn a_flag_path_limit_above_1m_is_refused() {
+        let at = |tiny_bytes| Config {
+            tiny_bytes,
+            ..Config::default()
+        };
+        assert!(at(MAX_TINY).validate().is_ok());
+        let e = at(MAX_TINY + 1).validate().unwrap_err();
+        assert!(e.contains("above 1M"), "{e}");
     }
 
     #[test]
