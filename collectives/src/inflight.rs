@@ -379,10 +379,10 @@ impl Communicator {
             .peer
             .map(|p| (p.rank(), matches!(p, crate::Peer::To(_))));
         let bytes = larger(input, output);
-        let slot = self.recorder.start(desc, peer, bytes);
-        if skip {
-            self.recorder.finished(slot, true);
-        }
+        let slot = match skip {
+            true => self.recorder.skipped(desc),
+            false => self.recorder.start(desc, peer, bytes),
+        };
         Ok(Admitted {
             id,
             slot,

@@ -89,6 +89,9 @@ pub(crate) struct Recorder {
 pub(crate) struct Slot(u64, usize);
 
 impl Slot {
+    /// Of a call not recorded (it had nothing to move).
+    const NONE: Slot = Slot(u64::MAX, usize::MAX);
+
     /// The call's number on its communicator (`CallRecord::number`).
     pub fn number(self) -> u64 {
         self.0
@@ -151,9 +154,20 @@ impl Recorder {
         slot
     }
 
-    /// The entry of `slot`, unless the ring has moved past it.
+    /// Counts a call with nothing to move, finished as it started, without
+    /// an entry: it cannot hang (its sequence number is used up all the
+    /// same, so a record's numbers skip it), and an entry with its clock
+    /// readings and status-board writes made such a call cost twice as much
+    /// (4 ranks: 0.07 against 0.03 us).
+    pub fn skipped(&mut self, desc: CallDesc) -> Slot {
+        self.stats.by_kind[desc.collective as usize] += 1;
+        Slot::NONE
+    }
+
+    /// The entry of `slot`, unless the ring has moved past it (or it has none).
     pub fn entry(&mut self, slot: Slot) -> Option<&mut Entry> {
-        if self.recorded - slot.0 > self.capacity as u64 {
+        let age = self.recorded.checked_sub(slot.0)?;
+        if age > self.capacity as u64 {
             return None;
         }
         self.ring.get_mut(slot.1)
@@ -408,4 +422,43 @@ pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
     let text = serde_json::to_string_pretty(dump).map_err(std::io::Error::other)?;
     std::fs::write(&path, text + "\n")?;
     Ok(path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Collective, DataType};
+
+    fn desc(count: u64, seq: u32) -> CallDesc {
+        CallDesc {
+            collective: Collective::AllGather,
+            dtype: DataType::F32,
+            op: None,
+            count,
+            root: None,
+            seq,
+            comm: 0,
+        }
+    }
+
+    #[test]
+    fn a_call_with_nothing_to_move_is_counted_not_recorded() {
+        let mut r = Recorder::new(0, 4);
+        let skipped = r.skipped(desc(0, 0));
+        r.finished(skipped, true); // no entry to finish: touches nothing
+        let slot = r.start(desc(8, 1), None, 32);
+        r.finished(slot, true);
+        let calls = r.calls(|_| None);
+        assert_eq!(
+            calls.len(),
+            1,
+            "only the call that moved bytes has an entry"
+        );
+        assert_eq!((calls[0].seq, calls[0].state), (1, "done"));
+        let counted = r.stats.snapshot().calls;
+        assert!(
+            counted.contains(&("allgather".to_string(), 2)),
+            "{counted:?}"
+        );
+    }
 }
