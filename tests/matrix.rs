@@ -110,7 +110,7 @@ fn five_ranks_shm_tree_small_chunks() {
 }
 
 // Over shared memory, small collectives (all but AllToAllv) and barriers take the flag path
-// (COLL_TINY, 4 KiB by default): a forced algorithm is tested at every size
+// (COLL_TINY, 64 KiB by default): a forced algorithm is tested at every size
 // with it off, and one case moves the threshold so that flag calls and
 // general ones alternate within a run.
 const NO_FLAGS: (&str, &str) = ("COLL_TINY", "0");

@@ -19,7 +19,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
-/// | `COLL_TINY` | small calls (AllReduce, Reduce, ReduceScatter, AllGather, AllToAll, Broadcast; up to this many bytes) and barriers among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never; at most 1M) | 4K |
+/// | `COLL_TINY` | small calls (AllReduce, Reduce, ReduceScatter, AllGather, AllToAll, Broadcast; up to this many bytes) and barriers among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never; at most 1M) | 64K |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -56,7 +56,10 @@ impl Default for Config {
             transport: "auto".into(),
             tcp: TcpOptions::default(),
             shm: ShmOptions::default(),
-            tiny_bytes: 4096,
+            // Measured: at 8-64 KiB the flag path took 0.3-0.8x the general
+            // path's time at 2, 4 and 8 ranks (4-rank Broadcast of 8 KiB: 1.1
+            // against 13 us), and put every collective at 1.1-7x Open MPI there.
+            tiny_bytes: 64 << 10,
         }
     }
 }
