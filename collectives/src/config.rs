@@ -43,7 +43,7 @@ pub struct Config {
 
 /// The largest `tiny_bytes`: the flag path keeps at least 64 parts of this
 /// size per rank in shared memory that every rank of the host maps (64 MiB
-/// a rank at 1 MiB), and calls that large move as fast on the general path.
+/// a rank at 1 MiB).
 pub const MAX_TINY: usize = 1 << 20;
 
 impl Default for Config {
@@ -109,8 +109,8 @@ impl Config {
         if self.tiny_bytes > MAX_TINY {
             return Err(format!(
                 "COLL_TINY (tiny_bytes) {} is above 1M: the flag path keeps 64 parts of that \
-                 size per rank in shared memory every local rank maps; larger calls belong \
-                 on the general path",
+                 size per rank in shared memory that every rank of the host maps (64 MiB a \
+                 rank at 1M)",
                 self.tiny_bytes
             ));
         }
