@@ -24,15 +24,13 @@ pub struct Bench<'a> {
     logged: Instant,
     /// Which size of how many the sweep is at, for the progress bar.
     pub sweep: (usize, usize),
-    /// The ranks ran `--settle`'s barriers.
-    settled: bool,
 }
 
 /// Barriers per round of `--settle`, between looks at the clock.
 const SETTLE_ROUND: usize = 100;
 
 /// Runs barriers for `ms` milliseconds (every rank goes on while any
-/// rank's clock says so): `--settle`.
+/// rank's clock says so): `--settle`, once before a run's first size.
 pub fn settle(comm: &mut Communicator, ms: u64) -> Result<(), collectives::Error> {
     let until = Instant::now() + Duration::from_millis(ms);
     let mut more = [u32::from(ms > 0)];
@@ -78,7 +76,6 @@ impl<'a> Bench<'a> {
             started: Instant::now(),
             logged: Instant::now(),
             sweep: (0, 1),
-            settled: false,
         }
     }
 
@@ -123,9 +120,6 @@ impl<'a> Bench<'a> {
     }
 
     fn measure(&mut self, bytes: usize, in_place: bool) -> Result<Mode, collectives::Error> {
-        if !std::mem::replace(&mut self.settled, true) {
-            settle(self.comm, self.args.settle)?;
-        }
         let (iters, warmup) = self.args.iterations(bytes as u64);
         let wrong = if self.args.check == 1 {
             self.check(bytes, in_place)?

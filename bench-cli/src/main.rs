@@ -271,6 +271,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
         print_preamble(&mut *out, &bench, launcher, algo, sizes[0]).map_err(io)?;
         report::header(&mut *out).map_err(io)?;
     }
+    bench::settle(bench.comm, args.settle).map_err(|e| e.to_string())?;
     let mut rows = Vec::with_capacity(sizes.len());
     let started = std::time::Instant::now();
     let rank = bench.comm.rank();

@@ -38,11 +38,9 @@ pub fn run(
         false => Profile::default(),
     };
     let max = *sizes.iter().max().expect("at least one size");
-    // The ranks settle once, not for every algorithm's run.
     crate::bench::settle(comm, args.settle).map_err(e)?;
     let quiet = BenchArgs {
         check: 0,
-        settle: 0,
         ..args.clone()
     };
     let mut stdout = std::io::stdout();

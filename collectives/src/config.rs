@@ -42,8 +42,7 @@ pub struct Config {
 }
 
 /// The largest `tiny_bytes`: the flag path keeps at least 64 parts of this
-/// size per rank in shared memory that every rank of the host maps (64 MiB
-/// a rank at 1 MiB).
+/// size per rank in shared memory that every rank of the host maps.
 pub const MAX_TINY: usize = 1 << 20;
 
 impl Default for Config {
@@ -108,10 +107,10 @@ impl Config {
         }
         if self.tiny_bytes > MAX_TINY {
             return Err(format!(
-                "COLL_TINY (tiny_bytes) {} is above 1M: the flag path keeps 64 parts of that \
-                 size per rank in shared memory that every rank of the host maps (64 MiB a \
-                 rank at 1M)",
-                self.tiny_bytes
+                "COLL_TINY (tiny_bytes) {} is above 1M: its flag path would keep {} MiB of \
+                 shared memory per rank, which every rank of the host maps",
+                self.tiny_bytes,
+                crate::tiny::segment_bytes(self.tiny_bytes) >> 20
             ));
         }
         if self.timeout.is_zero() {

@@ -462,8 +462,7 @@ impl Tiny {
             std::ptr::copy_nonoverlapping(part.as_ptr(), own.data(call.k, part.len()), part.len());
             Segment::write_label(mine, label);
         }
-        // SAFETY: no arguments; glibc reads it from the thread's rseq area.
-        let cpu = unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32;
+        let cpu = current_cpu();
         Segment::word(mine, CPU).store(cpu, Ordering::Relaxed);
         word.store(flag(call.k), Ordering::SeqCst);
         let progress = own.progress();
@@ -621,8 +620,7 @@ impl Tiny {
     /// core to other work (a busy loop, another job) for a whole time
     /// slice, while every rank waits for us.
     pub fn yields_core(&self, call: &FlagCall) -> bool {
-        // SAFETY: as in `try_post`.
-        let ours = unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32;
+        let ours = current_cpu();
         let on_ours = |line: *mut u8| Segment::word(line, CPU).load(Ordering::Relaxed) == ours;
         // The awaited rank's previous slot, a line we read lately, not its
         // progress line, which it writes at every call.
@@ -697,6 +695,19 @@ impl Drop for Tiny {
     fn drop(&mut self) {
         self.leave();
     }
+}
+
+/// The CPU this thread runs on, plus one, as the CPU words hold it (0 is
+/// never written).
+fn current_cpu() -> u32 {
+    // SAFETY: no arguments; glibc reads it from the thread's rseq area.
+    unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32
+}
+
+/// Bytes of shared memory a rank's flag segment takes for parts of up to
+/// `max_bytes` (`COLL_TINY`): every rank of the host maps every rank's.
+pub(crate) fn segment_bytes(max_bytes: usize) -> usize {
+    Segment::bytes(max_bytes)
 }
 
 impl FlagCall {
@@ -874,5 +885,19 @@ impl Communicator {
             self.tiny = State::On(Box::new(t));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_segment_is_mapped_in_whole_when_opened() {
+        let default = crate::Config::default().tiny_bytes;
+        assert!(
+            Segment::bytes(default) <= PREFAULT,
+            "raise PREFAULT with COLL_TINY's default"
+        );
     }
 }
