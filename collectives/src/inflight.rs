@@ -132,6 +132,8 @@ fn larger(input: Option<RawBuf>, output: RawBuf) -> usize {
 }
 
 /// Posts flag call `desc` on the caller's buffers (`bytes`: the larger).
+/// Inlined, as `alone` says.
+#[inline(always)]
 fn post_flags(
     tiny: &mut Tiny,
     desc: &CallDesc,
@@ -144,7 +146,9 @@ fn post_flags(
     tiny.post(desc, bytes, input, output)
 }
 
-/// Polls flag call `flags` of `desc` on the caller's buffers.
+/// Polls flag call `flags` of `desc` on the caller's buffers. Inlined, as
+/// `alone` says.
+#[inline(always)]
 fn poll_flags(
     tiny: &mut Tiny,
     flags: &mut FlagCall,
@@ -314,6 +318,14 @@ impl Communicator {
     /// if nothing else is in flight and it takes that path: posts it and
     /// polls it a while. A call that must wait longer, or fails, goes to the
     /// queue in the state it is in.
+    ///
+    /// Inlined into `run_raw`, as are `admit`, `Tiny::post` and what they
+    /// call: each returned a struct of 100-200 bytes through the stack, and
+    /// reading it back stalled on store forwarding (a third of `run_raw`'s
+    /// samples in a 2-rank 8 B Broadcast; inlined, `ci/ab.py`: 4-rank 8 B
+    /// Broadcast 0.70x the time, 2-rank 8 B AllToAll, AllGather, Reduce and
+    /// ReduceScatter 0.94-0.96x, calls with nothing to move 0.89x).
+    #[inline(always)]
     fn alone(&mut self, a: &Admitted, input: Option<RawBuf>, output: RawBuf) -> Alone {
         let eligible =
             self.inflight.calls.is_empty() && recorder::dump_requests() <= self.recorder.dumps_seen;
@@ -349,7 +361,8 @@ impl Communicator {
     /// records it; it is not queued yet.
     ///
     /// # Safety
-    /// As [`start`](Self::start).
+    /// As [`start`](Self::start). Inlined, as `alone` says.
+    #[inline(always)]
     unsafe fn admit(
         &mut self,
         args: &CallArgs,

@@ -367,7 +367,10 @@ impl Tiny {
 
     /// Starts a flag call: posts our part at once if every rank is done
     /// with the slot it goes into, else [`poll`](Self::poll) will.
-    /// `bytes` is the call's larger buffer.
+    /// `bytes` is the call's larger buffer. Inlined into the caller's
+    /// flag path (see `Communicator::alone`): the call came back through
+    /// the stack, a stall on store forwarding.
+    #[inline(always)]
     pub fn post(
         &mut self,
         desc: &CallDesc,
@@ -420,7 +423,8 @@ impl Tiny {
     }
 
     /// Posts `call` once every rank published the call its `gate` names;
-    /// returns whether it is posted.
+    /// returns whether it is posted. Inlined with `post`.
+    #[inline(always)]
     fn try_post(
         &mut self,
         call: &mut FlagCall,
