@@ -228,6 +228,15 @@ pub const HIERARCHICAL_MIN_BYTES: usize = 512 << 10;
 /// to 256 KiB (shared memory, 2 cores); at 4 it never beat both.
 pub const TREE_MIN_RANKS: usize = 8;
 pub const TREE_MAX_BYTES: usize = 512 << 10;
+/// On one host, a power of two of 4 or more ranks takes Rabenseifner's
+/// AllReduce from this size on where neither direct nor the tree does: its
+/// log2(n) exchanges a half beat the ring's n-1 steps around (shared
+/// memory, 2 cores, `collbench allreduce --algo`, paired time ratios to the
+/// ring, 4-6 rounds: 4 ranks 0.87 / 0.89 / 0.92 / 0.93 / 0.96 at 256 KiB /
+/// 1 / 4 / 16 / 64 MiB; 8 ranks 0.89 / 0.71 / 0.93 / 0.90 at 512 KiB / 1 /
+/// 4 / 16 MiB). Other counts fold their extra ranks in first, which cost
+/// more than it saved: 3 ranks 1.21x the ring's time, 6 ranks 1.06 / 0.88.
+pub const HALVING_MIN_BYTES: usize = 256 << 10;
 /// From this many ranks on (more than were measured here), a communicator
 /// without a profile asks the simulator (`simulate::choice`), and AllReduces
 /// too large to simulate then are chosen by [`at_scale`], a table read off it.
@@ -266,6 +275,17 @@ pub(crate) fn select(
             &tree::ALLREDUCE,
             "many ranks, latency-bound size: 2 log2(n) hops beat the ring's 2(n-1)",
         ),
+        AllReduce
+            if hosts.len() == 1
+                && size >= 4
+                && size.is_power_of_two()
+                && bytes >= HALVING_MIN_BYTES =>
+        {
+            (
+                &halving::ALLREDUCE,
+                "one host, a power of two of ranks: log2(n) exchanges beat the ring's n-1 steps",
+            )
+        }
         AllToAll if size >= SCALE_MIN_RANKS && bytes / size <= BRUCK_MAX_BLOCK_BYTES => (
             &bruck::ALLTOALL,
             "many ranks, small blocks: log2(n) packed messages beat n-1 (the simulator's pick)",
