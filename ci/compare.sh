@@ -10,18 +10,27 @@
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
-#                 [--busy]
+#                 [--busy] [--fresh]
 #
 # --busy: a busy loop pinned to the last core runs throughout (a data
 # loader, a noisy neighbour: a training host is never idle), for every
 # library alike.
+#
+# --fresh: every library rewrites each call's input before the call
+# (collbench --fresh), as a training step leaves fresh gradients. Without
+# it, buffers are reused unchanged (as in nccl-tests), and a library that
+# reads its peers' buffers in place (Open MPI's CMA single copy) finds them
+# in its own cache: on this VM, in the minutes when a cache line takes
+# ~500 ns between the cores instead of ~100, that makes Open MPI's 16-64
+# KiB calls 2-3x faster than with fresh data. Each repetition prints that
+# round trip (ci/linepingpong.c) and the table shows its range.
 #
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0 fresh=
 collectives="allreduce alltoall reducescatter allgather broadcast reduce"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -30,6 +39,7 @@ while [ $# -gt 0 ]; do
     --sizes) sizes=$2; shift 2 ;;
     --collectives) collectives=$2; shift 2 ;;
     --busy) busy=1; shift ;;
+    --fresh) fresh=--fresh; shift ;;
     -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -51,6 +61,7 @@ out=target/compare
 mkdir -p "$out"
 cargo build --release -q -p collbench
 mpicc.openmpi -O2 -o "$out/mpibench" ci/mpibench.c
+cc -O2 -pthread -o "$out/linepingpong" ci/linepingpong.c
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 
 python=${PYTHON:-python3}
@@ -78,13 +89,15 @@ if [ $busy = 1 ]; then
   echo "compare.sh: a busy loop (pid $hog) holds core $core throughout" >&2
 fi
 for rep in $(seq "$reps"); do
+  # The machine's mode as this repetition starts (see --fresh above).
+  "$out/linepingpong" 200000 | tee -a "$results/linepingpong.txt" >&2
   for coll in $collectives; do
     for n in $ranks; do
       echo "compare.sh: repetition $rep/$reps, $coll, $n ranks" >&2
-      target/release/collbench "$coll" -n "$n" --size "$list" -c 1 --json "$results/ours-$coll-$n-$rep.json" >/dev/null
-      mpirun.openmpi -n "$n" "$out/mpibench" "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
+      target/release/collbench "$coll" -n "$n" --size "$list" -c 1 $fresh --json "$results/ours-$coll-$n-$rep.json" >/dev/null
+      mpirun.openmpi -n "$n" "$out/mpibench" $fresh "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
       if [ $gloo = 1 ] && { [ "$coll" = allreduce ] || [ "$coll" = alltoall ]; }; then
-        "$python" ci/gloo_bench.py "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
+        "$python" ci/gloo_bench.py $fresh "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
       fi
     done
   done

@@ -81,8 +81,19 @@ def main(d):
                 row += f" {g:>9.2f} {ratio(g):>6}" if g is not None else f" {'-':>9} {'-':>6}"
             print(row)
     print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B); medians of the repetitions; wrong values in all runs: {wrong}")
+    print(line_round_trips(d))
     write_series(res, keys, d)
     return 1 if wrong else 0
+
+
+def line_round_trips(d):
+    """The machine's mode: the cache-line round trips between cores 0 and 1
+    measured as each repetition began (ci/linepingpong.c)."""
+    path = os.path.join(d, "linepingpong.txt")
+    ns = [float(l.split()[-2]) for l in open(path)] if os.path.exists(path) else []
+    if not ns:
+        return "cache-line round trip between the cores: not measured"
+    return "cache-line round trip between the cores as each repetition began: " + ", ".join(f"{x:.0f}" for x in ns) + " ns"
 
 
 NAMES = {"ours": "collectives", "mpi": "Open MPI", "gloo": "Gloo"}

@@ -3,7 +3,10 @@
 with collbench's rules (sizes, iteration counts, time = mean per call,
 maximum over ranks, busbw factors, results checked before timing).
 
-    gloo_bench.py allreduce|alltoall NRANKS SIZE [SIZE...]
+    gloo_bench.py [--fresh] allreduce|alltoall NRANKS SIZE [SIZE...]
+
+--fresh: a byte of every 64 of the input stored to (same value) before each
+call, as collbench's --fresh does.
 
 Prints one line per size: size count time_us busbw_gbs wrong. AllReduce is
 in place (torch's only form), AllToAll out of place (all_to_all_single).
@@ -32,7 +35,7 @@ def pattern(rank, count):
     return ((i % 7) - 3 + rank).to(torch.float32)
 
 
-def worker(rank, n, port, coll, sizes):
+def worker(rank, n, port, coll, sizes, fresh):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -45,7 +48,11 @@ def worker(rank, n, port, coll, sizes):
         src = pattern(rank, count)
         out = torch.empty(count, dtype=torch.float32)
 
+        lines = (out if coll == "allreduce" else src).view(torch.uint8)[::64]
+
         def call():
+            if fresh:
+                lines.mul_(1)
             if coll == "allreduce":
                 dist.all_reduce(out)
             else:
@@ -80,11 +87,14 @@ def worker(rank, n, port, coll, sizes):
 
 
 def main():
-    coll, n, sizes = sys.argv[1], int(sys.argv[2]), [int(s) for s in sys.argv[3:]]
+    args = sys.argv[1:]
+    fresh = args[:1] == ["--fresh"]
+    args = args[fresh:]
+    coll, n, sizes = args[0], int(args[1]), [int(s) for s in args[2:]]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(n, port, coll, sizes), nprocs=n)
+    mp.spawn(worker, args=(n, port, coll, sizes, fresh), nprocs=n)
 
 
 if __name__ == "__main__":

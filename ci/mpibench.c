@@ -9,7 +9,8 @@
  * every result element checked before timing. Prints one line per size:
  *   size count oop_time_us oop_busbw_gbs oop_wrong ip_time_us ip_busbw_gbs ip_wrong
  *
- * mpibench COLLECTIVE SIZE [SIZE...]   (sizes in bytes)
+ * mpibench [--fresh] COLLECTIVE SIZE [SIZE...]   (sizes in bytes; --fresh:
+ * as collbench's, every input line stored to before each call)
  */
 #include <mpi.h>
 #include <stdint.h>
@@ -41,8 +42,20 @@ static const char *names[] = {"allreduce", "alltoall", "reducescatter", "allgath
 /* collbench's sizes: `count` is the larger buffer's (the input of
  * reducescatter, the output of allgather); root 0; in place, the data
  * starts and ends in `recv` (MPI_IN_PLACE; broadcast is always in place). */
+/* --fresh: every cache line of the call's input stored to (same value)
+ * before the call, as collbench --fresh does. */
+static int fresh;
+static void rewrite(float *p, size_t floats) {
+    volatile char *b = (volatile char *)p;
+    for (size_t i = 0; i < floats * sizeof(float); i += 64) b[i] = b[i];
+}
+
 static void call(enum coll c, float *send, float *recv, size_t count, int in_place) {
     int block = (int)(count / nranks), n = (int)count;
+    if (fresh) {
+        if (in_place || c == BROADCAST) rewrite(recv, count);
+        else rewrite(send, c == ALLGATHER ? count / nranks : count);
+    }
     void *in = in_place ? MPI_IN_PLACE : send;
     switch (c) {
     case ALLREDUCE: MPI_Allreduce(in, recv, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
@@ -108,11 +121,12 @@ int main(int argc, char **argv) {
     MPI_Init(&argc, &argv);
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &nranks);
+    if (argc > 1 && !strcmp(argv[1], "--fresh")) fresh = 1, argv++, argc--;
     int c = -1;
     for (int k = 0; argc >= 3 && k < 6; k++)
         if (!strcmp(argv[1], names[k])) c = k;
     if (c < 0) {
-        if (rank == 0) fprintf(stderr, "usage: mpibench allreduce|alltoall|reducescatter|allgather|broadcast|reduce SIZE...\n");
+        if (rank == 0) fprintf(stderr, "usage: mpibench [--fresh] allreduce|alltoall|reducescatter|allgather|broadcast|reduce SIZE...\n");
         MPI_Abort(MPI_COMM_WORLD, 2);
     }
     double factor = c == ALLREDUCE ? 2.0 * (nranks - 1.0) / nranks

@@ -231,6 +231,9 @@ impl<'a> Bench<'a> {
 
     fn call(&mut self, bytes: usize, in_place: bool) -> Result<(), collectives::Error> {
         let (send_len, recv_len) = self.lengths(bytes, in_place);
+        if self.args.fresh {
+            self.rewrite_input(send_len, recv_len, in_place);
+        }
         let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len];
         let bufs = if in_place {
             Buffers::InPlace(recv)
@@ -248,6 +251,21 @@ impl<'a> Bench<'a> {
         let root = c.rooted().then_some(self.args.root);
         self.comm
             .collective_bytes(c, bufs, self.args.dtype, op, root)
+    }
+
+    /// `--fresh`: stores to every cache line of the call's input (the
+    /// receive buffer in place), each its own value, so the line is ours
+    /// alone again, as after a compute step: a peer's copy of it from the
+    /// last call is gone.
+    fn rewrite_input(&mut self, send_len: usize, recv_len: usize, in_place: bool) {
+        let input: &mut [u8] = match in_place {
+            true => &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len],
+            false => &mut bytemuck::cast_slice_mut(&mut self.send)[..send_len],
+        };
+        for i in (0..input.len()).step_by(64) {
+            // black_box: the compiler may not drop a store of what is there.
+            input[i] = std::hint::black_box(input[i]);
+        }
     }
 
     /// nccl-tests' bus bandwidth factor (AllToAllv: the bytes its busiest

@@ -141,6 +141,16 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 100)]
     pub settle: u64,
 
+    /// Rewrite every cache line of each call's input just before the call
+    /// (same values; timed with the call), as a training step leaves fresh
+    /// gradients. Without it the input is the same memory, unchanged, call
+    /// after call (as in nccl-tests): a library that reads its peers'
+    /// buffers in place (Open MPI's single copy, CMA) finds them in its own
+    /// cache from the call before, which flatters it wherever moving a line
+    /// between cores is slow
+    #[arg(long)]
+    pub fresh: bool,
+
     /// Check results against the expected values (1) or not (0)
     #[arg(short = 'c', long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub check: u8,

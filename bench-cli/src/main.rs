@@ -342,7 +342,7 @@ fn print_preamble(
     let (iters, warmup) = args.iterations(smallest);
     writeln!(
         out,
-        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}, after {} ms of barriers",
+        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}, after {} ms of barriers{}",
         bench::describe_dtype(args.dtype),
         match bench.collective.rooted() {
             true => format!(", root {}", args.root),
@@ -351,6 +351,10 @@ fn print_preamble(
         if args.check == 1 { "on" } else { "off" },
         human_bytes(smallest),
         args.settle,
+        match args.fresh {
+            true => "; inputs rewritten before each call (--fresh), timed with it",
+            false => "",
+        },
     )?;
     for ranks in comm.hosts() {
         writeln!(out, "#   host {}: ranks {ranks:?}", comm.hostname(ranks[0]))?;

@@ -87,6 +87,42 @@ fn alltoall_sweep_is_clean() {
 }
 
 #[test]
+fn fresh_inputs_are_rewritten_not_changed() {
+    // The checked call goes through the rewrite too: a rewrite that changed
+    // a value would show as wrong elements.
+    for (coll, extra) in [
+        ("allgather", "bf16"),
+        ("broadcast", "int8"),
+        ("reduce", "double"),
+    ] {
+        let r = collbench(&[
+            coll,
+            "-n",
+            "2",
+            "--size",
+            "8,1000,64K,1M",
+            "-d",
+            extra,
+            "--fresh",
+            "-c",
+            "1",
+        ]);
+        assert!(r.ok, "{coll}: {}\n{}", r.stdout, r.stderr);
+        assert!(
+            r.stdout.contains("# Out of bounds values : 0 OK"),
+            "{}",
+            r.stdout
+        );
+        assert!(
+            r.stdout
+                .contains("inputs rewritten before each call (--fresh)"),
+            "{}",
+            r.stdout
+        );
+    }
+}
+
+#[test]
 fn every_dtype_and_op_checks_clean() {
     for dtype in [
         "float", "double", "half", "bfloat16", "int8", "uint8", "int32", "uint32", "int64",
