@@ -23,7 +23,8 @@
 # in its own cache: on this VM, in the minutes when a cache line takes
 # ~500 ns between the cores instead of ~100, that makes Open MPI's 16-64
 # KiB calls 2-3x faster than with fresh data. Each repetition prints that
-# round trip (ci/linepingpong.c) and the table shows its range.
+# round trip (ci/linepingpong.c) and the table lists them (under --busy the
+# busy loop shares a core with it: about twice as long).
 #
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
@@ -40,7 +41,7 @@ while [ $# -gt 0 ]; do
     --collectives) collectives=$2; shift 2 ;;
     --busy) busy=1; shift ;;
     --fresh) fresh=--fresh; shift ;;
-    -h|--help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac
 done
