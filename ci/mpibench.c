@@ -39,9 +39,6 @@ static void iterations(size_t bytes, int *iters, int *warmup) {
 enum coll { ALLREDUCE, ALLTOALL, REDUCESCATTER, ALLGATHER, BROADCAST, REDUCE };
 static const char *names[] = {"allreduce", "alltoall", "reducescatter", "allgather", "broadcast", "reduce"};
 
-/* collbench's sizes: `count` is the larger buffer's (the input of
- * reducescatter, the output of allgather); root 0; in place, the data
- * starts and ends in `recv` (MPI_IN_PLACE; broadcast is always in place). */
 /* --fresh: every cache line of the call's input stored to (same value)
  * before the call, as collbench --fresh does. */
 static int fresh;
@@ -50,6 +47,9 @@ static void rewrite(float *p, size_t floats) {
     for (size_t i = 0; i < floats * sizeof(float); i += 64) b[i] = b[i];
 }
 
+/* collbench's sizes: `count` is the larger buffer's (the input of
+ * reducescatter, the output of allgather); root 0; in place, the data
+ * starts and ends in `recv` (MPI_IN_PLACE; broadcast is always in place). */
 static void call(enum coll c, float *send, float *recv, size_t count, int in_place) {
     int block = (int)(count / nranks), n = (int)count;
     if (fresh) {
