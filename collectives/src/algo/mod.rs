@@ -232,10 +232,12 @@ pub const TREE_MAX_BYTES: usize = 512 << 10;
 /// AllReduce from this size on where neither direct nor the tree does: its
 /// log2(n) exchanges a half beat the ring's n-1 steps around (shared
 /// memory, 2 cores, `collbench allreduce --algo`, paired time ratios to the
-/// ring, 4-6 rounds: 4 ranks 0.87 / 0.89 / 0.92 / 0.93 / 0.96 at 256 KiB /
-/// 1 / 4 / 16 / 64 MiB; 8 ranks 0.89 / 0.71 / 0.93 / 0.90 at 512 KiB / 1 /
-/// 4 / 16 MiB). Other counts fold their extra ranks in first, which cost
-/// more than it saved: 3 ranks 1.21x the ring's time, 6 ranks 1.06 / 0.88.
+/// ring, 3-6 rounds: 4 ranks 0.87 / 0.89 / 0.92 / 0.93 / 0.96 / 0.96 at 256
+/// KiB / 1 / 4 / 16 / 64 / 256 MiB; 8 ranks 0.89 / 0.71 / 0.93 / 0.90 /
+/// 0.93 at 512 KiB / 1 / 4 / 16 / 256 MiB; 16 ranks not measured, from 17
+/// on `at_scale` decides). Other counts fold their extra ranks in first,
+/// which cost more than it saved: 3 ranks 1.21x the ring's time, 6 ranks
+/// 1.06 / 0.88.
 pub const HALVING_MIN_BYTES: usize = 256 << 10;
 /// From this many ranks on (more than were measured here), a communicator
 /// without a profile asks the simulator (`simulate::choice`), and AllReduces
