@@ -547,7 +547,9 @@ fn mix(mut x: u64) -> u64 {
 }
 
 /// `elastic SEED STEPS`: the seed picks one or two victims, each of which
-/// SIGKILLs itself at a random moment (0.1-1.5 s in); every rank runs STEPS
+/// SIGKILLs itself at a random moment (0-3 ms into a step between a tenth and
+/// three fifths of the way; a moment in time instead came after the last
+/// step once calls got faster, and nobody died); every rank runs STEPS
 /// checked collectives (kind and size by step), and on a failure agrees on
 /// the failed ranks, shrinks, and resumes at the earliest step any survivor
 /// had not finished. Prints `shrunk ORIG failed [..] size N ms T` per shrink
@@ -566,13 +568,11 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
     // Some jobs lose their second victim during the recovery from the
     // first: it dies as it enters the agreement.
     let dies_in_recovery = victims.len() == 2 && seed % 5 == 4 && me == victims[1];
-    if let Some(k) = victims.iter().position(|v| *v == me && !dies_in_recovery) {
-        let delay = Duration::from_millis(100 + mix(seed + 3 + k as u64) % 1400);
-        std::thread::spawn(move || {
-            std::thread::sleep(delay);
-            die();
-        });
-    }
+    let mut kill_at = (victims.iter().position(|v| *v == me && !dies_in_recovery)).map(|k| {
+        let k = k as u64;
+        let step = steps / 10 + mix(seed + 3 + k) % (steps / 2).max(1);
+        (step, Duration::from_micros(mix(seed + 7 + k) % 3000))
+    });
     let mut members: Vec<usize> = (0..n0).collect();
     let mut failed_all: Vec<usize> = Vec::new();
     // Each failure (in a step, in the resync after a shrink, in the final
@@ -586,6 +586,13 @@ fn elastic(mut comm: Communicator, seed: u64, steps: u64) -> Result<(), String> 
             r.map(|()| (step, resync) = (at[0], false))
                 .map_err(|e| e.to_string())
         } else if step < steps {
+            if let Some((_, delay)) = kill_at.filter(|(at, _)| *at == step) {
+                kill_at = None;
+                std::thread::spawn(move || {
+                    std::thread::sleep(delay);
+                    die();
+                });
+            }
             elastic_step(&mut comm, seed, step, &members).map(|()| step += 1)
         } else {
             comm.barrier()
