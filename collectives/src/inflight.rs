@@ -131,19 +131,18 @@ fn larger(input: Option<RawBuf>, output: RawBuf) -> usize {
     input.map_or(0, |b| b.len).max(output.len)
 }
 
-/// Posts flag call `desc` on the caller's buffers (`bytes`: the larger).
+/// Posts flag call `flags` on the caller's buffers.
 /// Inlined, as `alone` says.
 #[inline(always)]
 fn post_flags(
     tiny: &mut Tiny,
-    desc: &CallDesc,
-    bytes: usize,
+    flags: &mut FlagCall,
     input: Option<RawBuf>,
     output: RawBuf,
-) -> transport::Result<FlagCall> {
+) -> transport::Result<()> {
     // SAFETY: the caller's buffers, reserved for this call.
     let (input, output) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
-    tiny.post(desc, bytes, input, output)
+    tiny.post(flags, input, output)
 }
 
 /// Polls flag call `flags` of `desc` on the caller's buffers. Inlined, as
@@ -334,10 +333,10 @@ impl Communicator {
         else {
             return Alone::Queue(State::Queued);
         };
-        let mut flags = match post_flags(tiny, &a.desc, a.bytes, input, output) {
-            Ok(flags) => flags,
-            Err(e) => return Alone::Failed(State::Queued, e),
-        };
+        let mut flags = tiny.number(&a.desc, a.bytes, input.is_none());
+        if let Err(e) = post_flags(tiny, &mut flags, input, output) {
+            return Alone::Failed(State::Queued, e);
+        }
         self.recorder.running(a.slot, "tiny", a.bytes);
         for polls in 0..ALONE_POLLS {
             match poll_flags(tiny, &mut flags, &a.desc, input, output) {
@@ -915,7 +914,8 @@ impl Communicator {
             tiny.mark_general(&call.desc, bytes);
             return Ok(false);
         }
-        let flags = post_flags(tiny, &call.desc, bytes, call.input, call.output)
+        let mut flags = tiny.number(&call.desc, bytes, call.input.is_none());
+        post_flags(tiny, &mut flags, call.input, call.output)
             .map_err(|e| Error::collective(self.rank, call.desc, e))?;
         call.state = State::Flags(flags);
         self.recorder.running(call.slot, "tiny", bytes);
