@@ -574,8 +574,9 @@ impl Tiny {
         self.wake_sleepers((0..SLOTS).map(|k| own.slot(k)));
     }
 
-    /// Wakes every peer asleep on one of our `words` (after a SeqCst store:
-    /// a peer either saw it or said it sleeps before we look).
+    /// Wakes every peer asleep on one of our `words` (after a SeqCst store,
+    /// or a Release one with `Fence::Sleeper`: a peer either saw it or said
+    /// it sleeps before we look).
     fn wake_sleepers(&self, words: impl IntoIterator<Item = *mut u8>) {
         let me = self.me as u32 + 1;
         let asleep = (self.segments.iter())
