@@ -270,8 +270,7 @@ pub(crate) struct Tiny {
     history: [(Tag, u32); SLOTS as usize],
     /// The host's ranks outnumber its cores (`yields_core`).
     crowded: bool,
-    /// Flags are published with a plain store, and a rank about to sleep
-    /// fences every rank instead (`Fence`).
+    /// Which side of the handshake with a sleeping peer fences (`Fence`).
     fence: Fence,
 }
 
