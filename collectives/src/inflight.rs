@@ -142,7 +142,7 @@ fn post_flags(
 ) -> transport::Result<()> {
     // SAFETY: the caller's buffers, reserved for this call.
     let (input, output) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
-    tiny.post(flags, input, output)
+    tiny.try_post(flags, input, output).map(drop)
 }
 
 /// Polls flag call `flags` of `desc` on the caller's buffers. Inlined, as
@@ -318,7 +318,7 @@ impl Communicator {
     /// polls it a while. A call that must wait longer, or fails, goes to the
     /// queue in the state it is in.
     ///
-    /// Inlined into `run_raw`, as are `admit`, `Tiny::post` and what they
+    /// Inlined into `run_raw`, as are `admit`, `Tiny::try_post` and what they
     /// call: each returned a struct of 100-200 bytes through the stack, and
     /// reading it back stalled on store forwarding (a third of `run_raw`'s
     /// samples in a 2-rank 8 B Broadcast; inlined, `ci/ab.py`: 4-rank 8 B

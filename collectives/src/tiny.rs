@@ -359,6 +359,7 @@ impl Tiny {
                 }
             })
             .collect::<std::io::Result<Vec<_>>>()?;
+        let crowded = crate::cpus::oversubscribed(ids.len());
         Ok(Tiny {
             me,
             segments,
@@ -367,8 +368,8 @@ impl Tiny {
             calls: 0,
             published: 0,
             history: [(0, 0); SLOTS as usize],
-            crowded: crate::cpus::oversubscribed(ids.len()),
-            fence: Fence::choose(ids.len()),
+            crowded,
+            fence: Fence::choose(crowded),
         })
     }
 
@@ -385,12 +386,12 @@ impl Tiny {
         }
     }
 
-    /// Numbers a flag call, posted next by [`post`](Self::post). `bytes` is
-    /// the call's larger buffer. Apart from `post` so that the call is
-    /// built where it stays: written by `post`, then moved, its copy read
-    /// fields still in the store buffer and waited for them to drain,
-    /// behind the slot's line that a peer held (2-rank 8 B Broadcast and
-    /// Reduce took 0.86-0.92 of the time apart, AllReduce 0.93).
+    /// Numbers a flag call, posted next by [`try_post`](Self::try_post).
+    /// `bytes` is the call's larger buffer. Apart from the post so that the
+    /// call is built where it stays: written by the post, then moved, its
+    /// copy read fields still in the store buffer and waited for them to
+    /// drain, behind the slot's line that a peer held (2-rank 8 B Broadcast
+    /// and Reduce took 0.86-0.92 of the time apart, AllReduce 0.93).
     #[inline(always)]
     pub fn number(&mut self, desc: &CallDesc, bytes: usize, in_place: bool) -> FlagCall {
         let k = self.calls;
@@ -416,19 +417,6 @@ impl Tiny {
         }
     }
 
-    /// Starts a numbered flag call: posts our part at once if every rank
-    /// is done with the slot it goes into, else [`poll`](Self::poll) will.
-    /// Inlined into the caller's flag path (see `Communicator::alone`).
-    #[inline(always)]
-    pub fn post(
-        &mut self,
-        call: &mut FlagCall,
-        input: Option<&[u8]>,
-        output: &[u8],
-    ) -> transport::Result<()> {
-        self.try_post(call, input, output).map(drop)
-    }
-
     /// The flag call whose publication by every rank `call` waits to see
     /// before it writes its slot, if it must look: call `k + 1 - window`
     /// frees the slot (`window`: `SLOTS`, or the data slots for a part
@@ -448,10 +436,13 @@ impl Tiny {
             .map(|j| j + window / 4)
     }
 
-    /// Posts `call` once every rank published the call its `gate` names;
-    /// returns whether it is posted. Inlined with `post`.
+    /// Posts a numbered `call` (our part) once every rank published the
+    /// call its `gate` names, i.e. is done with the slot it goes into;
+    /// returns whether it is posted, else [`poll`](Self::poll) posts it
+    /// later. Inlined into the caller's flag path (see
+    /// `Communicator::alone`).
     #[inline(always)]
-    fn try_post(
+    pub fn try_post(
         &mut self,
         call: &mut FlagCall,
         input: Option<&[u8]>,
@@ -731,13 +722,12 @@ impl Tiny {
 }
 
 impl Fence {
-    /// `Sleeper` when ranks do not outnumber cores and this rank could
-    /// register for other ranks' fences. Every rank of the host decides
-    /// alike (same kernel, same cores); one that did not would only miss
-    /// a wake-up now and then, and sleep `FLAG_SLEEP` for it.
-    fn choose(local_ranks: usize) -> Self {
-        let fenced = !crate::cpus::oversubscribed(local_ranks)
-            && membarrier(MembarrierCommand::RegisterGlobalExpedited).is_ok();
+    /// `Sleeper` when ranks do not outnumber cores (not `crowded`) and this
+    /// rank could register for other ranks' fences. Every rank of the host
+    /// decides alike (same kernel, same cores); one that did not would only
+    /// miss a wake-up now and then, and sleep `FLAG_SLEEP` for it.
+    fn choose(crowded: bool) -> Self {
+        let fenced = !crowded && membarrier(MembarrierCommand::RegisterGlobalExpedited).is_ok();
         match fenced {
             true => Fence::Sleeper,
             false => Fence::Writer,
