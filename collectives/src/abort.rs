@@ -62,11 +62,18 @@ impl AbortFlag {
         self.wake.ring();
     }
 
-    /// The reason, once fired. One atomic load while it is not.
+    /// The reason, once fired. One atomic load while it is not (inlined:
+    /// every call asks).
+    #[inline]
     pub fn reason(&self) -> Option<String> {
-        if !self.set.load(Ordering::Acquire) {
-            return None;
+        match self.set.load(Ordering::Acquire) {
+            true => self.fired_reason(),
+            false => None,
         }
+    }
+
+    #[cold]
+    fn fired_reason(&self) -> Option<String> {
         self.reason
             .lock()
             .unwrap_or_else(|e| e.into_inner())

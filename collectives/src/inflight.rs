@@ -427,8 +427,11 @@ impl Communicator {
 
     /// Gives a call its sequence number and checks it: its descriptor, or
     /// an argument error (the number is used up all the same, so a rank
-    /// that goes on is caught by its peers' next call).
-    pub(crate) fn describe(
+    /// that goes on is caught by its peers' next call). Inlined, as `alone`
+    /// says: its result came back through the stack in byte-sized stores,
+    /// read back in words (a failed store forward, 40% of `run_raw`).
+    #[inline(always)]
+    fn describe(
         &mut self,
         args: &CallArgs,
         input: Option<&[u8]>,
