@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
@@ -11,7 +11,9 @@ ci/linepingpong.c); runs next to each other in time see the same drift, so
 the paired ratio says more than two medians taken apart. A BIN named "mpi"
 runs Open MPI (ci/mpibench.c built as target/compare/mpibench, as
 ci/compare.sh builds it). Copy each build aside first (cp
-target/release/collbench /tmp/cb-a), then rebuild.
+target/release/collbench /tmp/cb-a), then rebuild. --fresh: every binary,
+Open MPI's too, rewrites each call's input before the call (collbench
+--fresh). SIZE takes K, M and G suffixes for every binary.
 """
 import json
 import os
@@ -20,16 +22,24 @@ import subprocess
 import sys
 
 
-def run(binary, coll, ranks, size, iters):
+def in_bytes(size):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return str(int(size[:-1]) * units[size[-1]]) if size[-1] in units else size
+
+
+def run(binary, coll, ranks, size, iters, fresh):
     if binary == "mpi":
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
-        out = subprocess.run(["mpirun.openmpi", "-n", ranks, "target/compare/mpibench", coll, size],
+        out = subprocess.run(["mpirun.openmpi", "-n", ranks, "target/compare/mpibench"]
+                             + ["--fresh"] * fresh + [coll, in_bytes(size)],
                              capture_output=True, text=True, env=env, check=True).stdout
         return float(out.strip().splitlines()[-1].split()[2])
     cmd = [binary, coll, "-n", ranks, "-b", size, "-e", size, "--json", "-"]
     if iters:
         cmd += ["--iters", iters]
+    if fresh:
+        cmd.append("--fresh")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return json.loads(out)["rows"][0]["out_of_place"]["time_us"]
 
@@ -41,13 +51,16 @@ def main():
         at = args.index("--iters")
         iters = args[at + 1]
         del args[at:at + 2]
+    fresh = "--fresh" in args
+    if fresh:
+        args.remove("--fresh")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     times = {b: [] for b in bins}
     for r in range(rounds):
         for b in bins if r % 2 == 0 else bins[::-1]:
-            times[b].append(run(b, coll, ranks, size, iters))
+            times[b].append(run(b, coll, ranks, size, iters, fresh))
     base = times[bins[0]]
     for b in bins:
         t = times[b]

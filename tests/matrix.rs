@@ -42,10 +42,13 @@ fn matrix_with(ranks: usize, chunk: &str, transport: &str, extra: &[(&str, &str)
 }
 
 // The selector picks by size; forcing each algorithm runs it at every size.
-const RING: (&str, &str) = ("COLL_ALGO", "allreduce=ring,broadcast=chain,reduce=chain");
+const RING: (&str, &str) = (
+    "COLL_ALGO",
+    "allreduce=ring,allgather=ring,broadcast=chain,reduce=chain",
+);
 const DIRECT: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=direct,broadcast=binomial,reduce=binomial",
+    "allreduce=direct,allgather=direct,broadcast=binomial,reduce=binomial",
 );
 const TREE: (&str, &str) = (
     "COLL_ALGO",

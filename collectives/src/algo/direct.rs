@@ -3,6 +3,11 @@
 //! the same bits. One step instead of the ring's 2(n-1), at the price of
 //! n-1 full copies per rank: the algorithm for latency-bound sizes, and for
 //! oversubscribed hosts where each ring step waits for a rank to be scheduled.
+//!
+//! Direct AllGather: every rank sends its block to every other, all pairs in
+//! flight (in the pairwise exchange's order). Each rank sends its block n-1
+//! times where the ring forwards n-1 blocks once: the same bytes received,
+//! but no block waits for another rank to pass it on.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Action, Buf, Schedule, Span, StepId};
@@ -14,6 +19,14 @@ pub(super) const ALLREDUCE: Algorithm = Algorithm {
     summary: "every rank sends its buffer to every other and reduces all n in rank order; one step, for small messages",
     in_place: false,
     build,
+};
+
+pub(super) const ALLGATHER: Algorithm = Algorithm {
+    name: "direct",
+    collective: Collective::AllGather,
+    summary: "every rank sends its block to every other, all pairs in flight; no block waits to be forwarded",
+    in_place: true,
+    build: all_gather,
 };
 
 fn build(l: &Layout, s: &mut Schedule) {
@@ -42,6 +55,30 @@ fn build(l: &Layout, s: &mut Schedule) {
                 (false, true) => s.recv_copy(q, c, None),
                 (false, false) => s.recv_reduce(q, c, false, last, prev),
             });
+        }
+    }
+}
+
+fn all_gather(l: &Layout, s: &mut Schedule) {
+    let (n, r) = (l.size, l.rank);
+    let own = l.own_block();
+    if !l.in_place {
+        s.copy(
+            own,
+            Span {
+                buf: Buf::Output,
+                offset: l.block(r).0,
+                ..own
+            },
+        );
+    }
+    let partners = (0..n).map(|round| super::pairwise::partner(round, r, n));
+    for p in partners.filter(|p| *p != r) {
+        for c in l.chunks(own.buf, (own.offset, own.len)) {
+            s.send(p, c, None);
+        }
+        for c in l.chunks(Buf::Output, l.block(p)) {
+            s.recv(p, c, None);
         }
     }
 }

@@ -28,7 +28,7 @@ pub(super) const ALLTOALLV: Algorithm = Algorithm {
 };
 
 /// The peer of rank `r` in round `round`: rounds pair ranks symmetrically.
-fn partner(round: usize, r: usize, n: usize) -> usize {
+pub(super) fn partner(round: usize, r: usize, n: usize) -> usize {
     (round + n - r) % n
 }
 
