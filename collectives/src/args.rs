@@ -293,6 +293,9 @@ impl CallArgs {
         output: &[u8],
     ) -> Result<u64, String> {
         let (collective, dtype, elem) = (self.collective, self.dtype, self.dtype.size());
+        // Element sizes are powers of two: masks, not divisions (every
+        // call is checked; a division costs a tenth of a call of nothing).
+        let whole = |bytes: usize| bytes & (elem - 1) == 0;
         if collective.reduces() != self.op.is_some() {
             let need = if self.op.is_some() {
                 "not used here"
@@ -313,13 +316,13 @@ impl CallArgs {
         }
         self.check_peer(rank, n, input)?;
         for b in input.into_iter().chain([output]) {
-            if b.len() % elem != 0 {
+            if !whole(b.len()) {
                 return Err(format!(
                     "{collective}: {} bytes is not a whole number of {dtype} elements",
                     b.len()
                 ));
             }
-            if !b.is_empty() && b.as_ptr() as usize % elem != 0 {
+            if !b.is_empty() && !whole(b.as_ptr() as usize) {
                 return Err(format!(
                     "{collective}: buffer at {:p} is not aligned for {dtype}",
                     b.as_ptr()
@@ -375,9 +378,9 @@ impl CallArgs {
         input: Option<&[u8]>,
         output: &[u8],
     ) -> Result<usize, String> {
-        let (collective, elem) = (self.collective, self.dtype.size());
+        let (collective, shift) = (self.collective, self.dtype.size().trailing_zeros());
         if collective == Collective::PointToPoint {
-            return Ok(input.map_or(output.len(), <[u8]>::len) / elem);
+            return Ok(input.map_or(output.len(), <[u8]>::len) >> shift);
         }
         // The one buffer of an in-place call, or the send buffer's length
         // relative to the receive buffer's.
@@ -400,13 +403,13 @@ impl CallArgs {
                 ));
             }
         }
-        if collective.blocks() && (larger / elem) % n != 0 {
+        let count = larger >> shift;
+        if collective.blocks() && count % n != 0 {
             return Err(format!(
-                "{collective}: count {} is not divisible by the {n} ranks (one block per rank)",
-                larger / elem,
+                "{collective}: count {count} is not divisible by the {n} ranks (one block per rank)",
             ));
         }
-        Ok(larger / elem)
+        Ok(count)
     }
 }
 
