@@ -61,7 +61,7 @@ fi
 out=target/compare
 mkdir -p "$out"
 cargo build --release -q -p collbench
-mpicc.openmpi -O2 -o "$out/mpibench" ci/mpibench.c
+mpicc.openmpi -O2 -o "$out/mpibench" ci/mpibench.c -lm
 cc -O2 -pthread -o "$out/linepingpong" ci/linepingpong.c
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1
 

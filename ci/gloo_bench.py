@@ -11,6 +11,7 @@ call, as collbench's --fresh does.
 Prints one line per size: size count time_us busbw_gbs wrong. AllReduce is
 in place (torch's only form), AllToAll out of place (all_to_all_single).
 """
+import math
 import os
 import socket
 import sys
@@ -28,6 +29,14 @@ def iterations(nbytes):
     if nbytes <= big:
         return 20, 5
     return max(2, -(-20 * big // nbytes)), 0
+
+
+def paced(nbytes, iters, pace):
+    """Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
+    warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule)."""
+    if nbytes <= 64 << 10 or nbytes > 64 << 20 or pace <= 0:
+        return iters
+    return min(1000, max(20, math.ceil(0.05 / pace)))
 
 
 def pattern(rank, count):
@@ -71,8 +80,12 @@ def worker(rank, n, port, coll, sizes, fresh):
         wrong = torch.tensor([int((out != want).sum()) if count else 0], dtype=torch.int64)
         dist.all_reduce(wrong)
         iters, warmup = iterations(count * 4)
+        w0 = time.perf_counter()
         for _ in range(warmup):
             call()
+        pace = torch.tensor([(time.perf_counter() - w0) / max(warmup, 1)], dtype=torch.float64)
+        dist.all_reduce(pace, op=dist.ReduceOp.MAX)
+        iters = paced(count * 4, iters, pace.item())
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):

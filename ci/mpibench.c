@@ -14,6 +14,7 @@
  */
 #include <mpi.h>
 #include <stdint.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,6 +23,14 @@ static int rank, nranks;
 
 /* Rank r's element i: small integers, exact in float whatever the order. */
 static float input(int r, size_t i) { return (float)((int)(i % 7) - 3 + r); }
+
+/* Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
+ * warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule). */
+static int paced(size_t bytes, int iters, double pace) {
+    if (bytes <= (64u << 10) || bytes > (64u << 20) || pace <= 0) return iters;
+    double want = ceil(0.05 / pace);
+    return want < 20 ? 20 : want > 1000 ? 1000 : (int)want;
+}
 
 static void iterations(size_t bytes, int *iters, int *warmup) {
     const size_t small = 64u << 10, big = 64u << 20;
@@ -108,7 +117,11 @@ static long check(enum coll c, float *send, float *recv, size_t count, int in_pl
 static double measure(enum coll c, float *send, float *recv, size_t count, int in_place) {
     int iters, warmup;
     iterations(count * sizeof(float), &iters, &warmup);
+    double w0 = MPI_Wtime(), pace;
     for (int i = 0; i < warmup; i++) call(c, send, recv, count, in_place);
+    double mine = (MPI_Wtime() - w0) / (warmup ? warmup : 1);
+    MPI_Allreduce(&mine, &pace, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    iters = paced(count * sizeof(float), iters, pace);
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
     for (int i = 0; i < iters; i++) call(c, send, recv, count, in_place);

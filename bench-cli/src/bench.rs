@@ -129,9 +129,13 @@ impl<'a> Bench<'a> {
         // Worked out once: a call of nothing to move takes 20 ns, and a
         // division a call would be a tenth of it.
         let lens = self.lengths(bytes, in_place);
+        let t0 = Instant::now();
         for _ in 0..warmup {
             self.call(lens, in_place)?;
         }
+        let mut pace = [t0.elapsed().as_secs_f64() / warmup.max(1) as f64];
+        self.comm.all_reduce_in_place(&mut pace, ReduceOp::Max)?;
+        let iters = self.args.paced(bytes as u64, iters, pace[0]);
         self.comm.barrier()?;
         let t0 = Instant::now();
         // Progress lines are for calls that take long; reading the clock

@@ -120,9 +120,12 @@ pub struct BenchArgs {
     pub size: Option<Vec<u64>>,
 
     /// Timed iterations per size [default: 1000 up to 64 KiB, where a call
-    /// takes microseconds and scheduling noise needs averaging out; 20 up to
-    /// 64 MiB; above, fewer, so a size moves about 1.3 GiB per rank: 5 at
-    /// 256 MiB, 2 at 1 GiB]
+    /// takes microseconds and scheduling noise needs averaging out; up to
+    /// 64 MiB as many as fill 50 ms at the warm-up's pace, 20 to 1000 (so a
+    /// size spans several scheduler time slices: with other work on a core,
+    /// 20 calls of 1 MiB, 2 ms, fall in a good slice or a bad one); above,
+    /// fewer, so a size moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1
+    /// GiB]
     #[arg(long)]
     pub iters: Option<usize>,
 
@@ -385,10 +388,9 @@ impl BenchArgs {
     }
 
     /// Timed and warm-up iterations for a size (ci/mpibench.c and
-    /// ci/gloo_bench.py follow the same rules).
+    /// ci/gloo_bench.py follow the same rules); where the timed ones are to
+    /// be [`paced`](Self::paced), the count here is their least.
     pub fn iterations(&self, bytes: u64) -> (usize, usize) {
-        const SMALL: u64 = 64 << 10;
-        const BIG: u64 = 64 << 20;
         let iters = self.iters.unwrap_or(match bytes {
             b if b <= SMALL => 1000,
             b if b <= BIG => 20,
@@ -402,7 +404,27 @@ impl BenchArgs {
         });
         (iters.max(1), warmup)
     }
+
+    /// The timed iterations of a size whose warm-up calls took `pace`
+    /// seconds each (the slowest rank's, so that every rank agrees): as
+    /// many as fill `PACED_SPAN`, within `PACED_ITERS`, for sizes between
+    /// `SMALL` and `BIG` when `--iters` was not given; else `iters`.
+    pub fn paced(&self, bytes: u64, iters: usize, pace: f64) -> usize {
+        if self.iters.is_some() || bytes <= SMALL || bytes > BIG || pace <= 0.0 {
+            return iters;
+        }
+        let want = (PACED_SPAN / pace).ceil().min(*PACED_ITERS.end() as f64) as usize;
+        want.clamp(*PACED_ITERS.start(), *PACED_ITERS.end())
+    }
 }
+
+/// Up to this size a call takes microseconds: fixed counts, many calls.
+const SMALL: u64 = 64 << 10;
+/// Above this size, a count that moves about 1.3 GiB per rank.
+const BIG: u64 = 64 << 20;
+/// Between the two, seconds of timed calls (see `--iters`).
+const PACED_SPAN: f64 = 0.05;
+const PACED_ITERS: std::ops::RangeInclusive<usize> = 20..=1000;
 
 /// Sizes from `lo` to `hi` (both included when `hi` is on the way), each
 /// `factor` times the one before (at least one byte more).
