@@ -587,7 +587,9 @@ impl Communicator {
         let extra = extra.into_iter().chain(wake);
         let timeout = self.config.timeout;
         let idled = std::time::Instant::now();
-        let idle = self.inflight.poller.idle(conns, extra, timeout);
+        let tiny = self.tiny.on_mut();
+        let alone = || tiny.is_some_and(|t| t.alone_on_cpu());
+        let idle = self.inflight.poller.idle(conns, extra, timeout, alone);
         self.recorder.stats.wait_seconds += idled.elapsed().as_secs_f64();
         match idle {
             Ok(true) if self.inflight.poller.asleep() => self.publish_wait(oldest),

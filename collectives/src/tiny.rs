@@ -655,6 +655,17 @@ impl Tiny {
             || (self.crowded && peers.any(|(_, s)| on_ours(s.progress())))
     }
 
+    /// Whether no peer last ran on our CPU (a general-path rank whose
+    /// yields hand its core to other work asks: see `Poller`). Writes our
+    /// CPU where peers look for it first, as a flag call does.
+    pub fn alone_on_cpu(&self) -> bool {
+        let ours = current_cpu();
+        Segment::word(self.segments[self.me].progress(), CPU).store(ours, Ordering::Relaxed);
+        let on_ours = |line: *mut u8| Segment::word(line, CPU).load(Ordering::Relaxed) == ours;
+        let mut peers = (self.segments.iter().enumerate()).filter(|&(p, _)| p != self.me);
+        !peers.any(|(_, s)| on_ours(s.progress()))
+    }
+
     /// What can be known of the rank `call` waits on: it published the
     /// call awaited after all (`Ok(true)`: look again, whatever became of
     /// it since), else whether it is gone (its process ended) or on the

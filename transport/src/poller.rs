@@ -29,6 +29,13 @@ use crate::{Connection, Error, Result, Wake};
 /// With a busy loop on one of 2 cores, 2-rank 1 MiB Reduce took 314 ->
 /// 130 us a call, ReduceScatter 278 -> 74, 16 MiB Reduce 0.6x; the rest
 /// within noise, and nothing changes on idle cores.
+///
+/// A yield that came back `HOG_GAP` late handed the core to other work
+/// for its time slice; where no rank of ours waits for that core (the
+/// caller knows), yielding rounds then spin for a `WINDOW`: neither a
+/// yield nor a wake-up takes such a core back before the slice ends
+/// (EEVDF), and a rank of 4 unbound on 2 cores that the kernel had put
+/// beside a busy loop ran once a tick, 4.2 ms a 1 MiB call instead of 0.3.
 #[derive(Debug)]
 pub struct Poller {
     spin: Duration,
@@ -44,6 +51,8 @@ pub struct Poller {
     /// to run by then, and whether it waited a tenth of the last window.
     window: Option<(Instant, Duration)>,
     contended: bool,
+    /// When a yield last came back `HOG_GAP` late.
+    hogged: Option<Instant>,
 }
 
 /// An idle round's part in a wait (see [`Poller`]).
@@ -67,6 +76,9 @@ const SPIN_CLOCK_EVERY: u32 = 16;
 const WINDOW: Duration = Duration::from_millis(50);
 /// How long a thread on a shared core polls before it sleeps.
 const CONTENDED_PATIENCE: Duration = Duration::from_micros(20);
+/// A yield that takes this long handed the core to other work for its
+/// time slice: a peer of ours yields back sooner.
+const HOG_GAP: Duration = Duration::from_millis(1);
 
 impl Default for Poller {
     fn default() -> Self {
@@ -94,6 +106,7 @@ impl Poller {
             spinning: false,
             window: None,
             contended: false,
+            hogged: None,
         }
     }
 
@@ -126,16 +139,29 @@ impl Poller {
     /// nothing has moved for `timeout`, `Ok(true)` otherwise (after spinning,
     /// yielding or sleeping). Busy rounds read no clock: only idle ones do.
     /// A sleep also ends when `extra` (an abort or new-work eventfd) is readable.
+    /// `alone`: whether no thread of ours waits for this core, asked only
+    /// once a yield came back `HOG_GAP` late: other work holds the core
+    /// then, and yielding rounds spin instead for a `WINDOW` (see
+    /// [`Poller`]).
     pub fn idle<'a, 'e>(
         &mut self,
         conns: impl Iterator<Item = &'a mut Box<dyn Connection>>,
         extra: impl IntoIterator<Item = BorrowedFd<'e>>,
         timeout: Duration,
+        alone: impl FnOnce() -> bool,
     ) -> Result<bool> {
         match self.phase(timeout) {
             Phase::Expired => return Ok(false),
             Phase::Spin => std::hint::spin_loop(),
-            Phase::Yield => std::thread::yield_now(),
+            Phase::Yield if self.hogged() && alone() => std::hint::spin_loop(),
+            Phase::Yield => {
+                let yielded = Instant::now();
+                std::thread::yield_now();
+                let back = Instant::now();
+                if back - yielded >= HOG_GAP {
+                    self.hogged = Some(back);
+                }
+            }
             Phase::Sleep(most) => sleep_until_ready(conns, extra, most)?,
         }
         Ok(true)
@@ -192,6 +218,11 @@ impl Poller {
         }
         self.window = Some((now, waited));
         self.contended
+    }
+
+    /// Whether a yield came back `HOG_GAP` late within the last `WINDOW`.
+    fn hogged(&self) -> bool {
+        self.hogged.is_some_and(|t| t.elapsed() < WINDOW)
     }
 
     /// How long the loop has been idle (zero while busy).
@@ -299,5 +330,54 @@ mod tests {
             poller.phase(Duration::from_secs(60)),
             Phase::Sleep(_)
         ));
+    }
+
+    /// A yield to a busy loop on the same core comes back a time slice
+    /// later; from then on a waiting thread that no peer waits behind
+    /// spins instead of yielding, and only then is asked whether it is
+    /// alone.
+    #[test]
+    fn a_yield_to_a_busy_loop_is_noticed() {
+        let allowed = rustix::thread::sched_getaffinity(None).expect("affinity");
+        let cpu = (0..rustix::thread::CpuSet::MAX_CPU)
+            .find(|c| allowed.is_set(*c))
+            .expect("a CPU");
+        pin(cpu);
+        let stop = Arc::new(AtomicBool::new(false));
+        let busy = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                pin(cpu);
+                while !stop.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        };
+        // Ranks that outnumber cores: no spin, a long patience of yields.
+        let mut poller = Poller::new(Duration::ZERO, Duration::from_secs(60));
+        let asked = std::cell::Cell::new(0);
+        let round = |poller: &mut Poller| {
+            let none = std::iter::empty::<&mut Box<dyn Connection>>();
+            let alone = || {
+                asked.set(asked.get() + 1);
+                true
+            };
+            poller
+                .idle(none, None, Duration::from_secs(60), alone)
+                .unwrap()
+        };
+        let started = Instant::now();
+        while !poller.hogged() && started.elapsed() < Duration::from_secs(10) {
+            assert!(round(&mut poller));
+        }
+        let hogged = poller.hogged();
+        round(&mut poller);
+        stop.store(true, Ordering::Relaxed);
+        busy.join().unwrap();
+        assert!(
+            hogged,
+            "no yield came back {HOG_GAP:?} late in 10 s beside a busy loop"
+        );
+        assert_eq!(asked.get(), 1, "asked whether alone before any late yield");
     }
 }

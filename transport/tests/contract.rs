@@ -61,6 +61,7 @@ fn drive(
             [&mut *a, &mut *b].into_iter(),
             None,
             Duration::from_secs(10),
+            || false,
         )? {
             panic!("no progress for 10 s");
         }
@@ -197,7 +198,9 @@ fn a_peer_that_leaves_after_sending_is_not_an_error(make: fn() -> Box<dyn Transp
         } else {
             assert!(
                 poller
-                    .idle([&mut c1].into_iter(), None, Duration::from_secs(10))
+                    .idle([&mut c1].into_iter(), None, Duration::from_secs(10), || {
+                        true
+                    })
                     .unwrap(),
                 "the send never completed"
             );
