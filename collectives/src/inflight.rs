@@ -587,8 +587,8 @@ impl Communicator {
         let extra = extra.into_iter().chain(wake);
         let timeout = self.config.timeout;
         let idled = std::time::Instant::now();
-        let tiny = self.tiny.on_mut();
-        let alone = || tiny.is_some_and(|t| t.alone_on_cpu());
+        let tiny = self.tiny.on();
+        let alone = || tiny.is_some_and(Tiny::alone_on_cpu);
         let idle = self.inflight.poller.idle(conns, extra, timeout, alone);
         self.recorder.stats.wait_seconds += idled.elapsed().as_secs_f64();
         match idle {

@@ -646,13 +646,12 @@ impl Tiny {
     /// slice, while every rank waits for us.
     pub fn yields_core(&self, call: &FlagCall) -> bool {
         let ours = current_cpu();
-        let on_ours = |line: *mut u8| Segment::word(line, CPU).load(Ordering::Relaxed) == ours;
         // The awaited rank's previous slot, a line we read lately, not its
         // progress line, which it writes at every call.
         let (r, j) = self.awaited(call);
-        let mut peers = (self.segments.iter().enumerate()).filter(|&(p, _)| p != self.me);
-        on_ours(self.segments[r].slot(j.wrapping_sub(1)))
-            || (self.crowded && peers.any(|(_, s)| on_ours(s.progress())))
+        let slot = self.segments[r].slot(j.wrapping_sub(1));
+        Segment::word(slot, CPU).load(Ordering::Relaxed) == ours
+            || (self.crowded && self.a_peer_ran_on(ours))
     }
 
     /// Whether no peer last ran on our CPU (a general-path rank whose
@@ -661,9 +660,13 @@ impl Tiny {
     pub fn alone_on_cpu(&self) -> bool {
         let ours = current_cpu();
         Segment::word(self.segments[self.me].progress(), CPU).store(ours, Ordering::Relaxed);
-        let on_ours = |line: *mut u8| Segment::word(line, CPU).load(Ordering::Relaxed) == ours;
+        !self.a_peer_ran_on(ours)
+    }
+
+    /// Whether a peer's progress line says it last ran on `cpu` (+1).
+    fn a_peer_ran_on(&self, cpu: u32) -> bool {
         let mut peers = (self.segments.iter().enumerate()).filter(|&(p, _)| p != self.me);
-        !peers.any(|(_, s)| on_ours(s.progress()))
+        peers.any(|(_, s)| Segment::word(s.progress(), CPU).load(Ordering::Relaxed) == cpu)
     }
 
     /// What can be known of the rank `call` waits on: it published the
