@@ -22,19 +22,21 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+SMALL, BIG = 64 << 10, 64 << 20
+
+
 def iterations(nbytes):
-    small, big = 64 << 10, 64 << 20
-    if nbytes <= small:
+    if nbytes <= SMALL:
         return 1000, 100
-    if nbytes <= big:
+    if nbytes <= BIG:
         return 20, 5
-    return max(2, -(-20 * big // nbytes)), 0
+    return max(2, -(-20 * BIG // nbytes)), 0
 
 
 def paced(nbytes, iters, pace):
     """Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
     warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule)."""
-    if nbytes <= 64 << 10 or nbytes > 64 << 20 or pace <= 0:
+    if nbytes <= SMALL or nbytes > BIG or pace <= 0:
         return iters
     return min(1000, max(20, math.ceil(0.05 / pace)))
 

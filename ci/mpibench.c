@@ -26,14 +26,15 @@ static float input(int r, size_t i) { return (float)((int)(i % 7) - 3 + r); }
 
 /* Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
  * warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule). */
+static const size_t small = 64u << 10, big = 64u << 20;
+
 static int paced(size_t bytes, int iters, double pace) {
-    if (bytes <= (64u << 10) || bytes > (64u << 20) || pace <= 0) return iters;
+    if (bytes <= small || bytes > big || pace <= 0) return iters;
     double want = ceil(0.05 / pace);
     return want < 20 ? 20 : want > 1000 ? 1000 : (int)want;
 }
 
 static void iterations(size_t bytes, int *iters, int *warmup) {
-    const size_t small = 64u << 10, big = 64u << 20;
     if (bytes <= small) {
         *iters = 1000, *warmup = 100;
     } else if (bytes <= big) {

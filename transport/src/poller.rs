@@ -292,6 +292,44 @@ mod tests {
         rustix::thread::sched_setaffinity(None, &set).expect("pin");
     }
 
+    /// A busy loop on the calling thread's CPU (the first it may use), both
+    /// pinned there; stopped when dropped.
+    struct BusyNeighbour {
+        stop: Arc<AtomicBool>,
+        thread: Option<std::thread::JoinHandle<()>>,
+    }
+
+    impl BusyNeighbour {
+        fn start() -> Self {
+            let allowed = rustix::thread::sched_getaffinity(None).expect("affinity");
+            let cpu = (0..rustix::thread::CpuSet::MAX_CPU)
+                .find(|c| allowed.is_set(*c))
+                .expect("a CPU");
+            pin(cpu);
+            let stop = Arc::new(AtomicBool::new(false));
+            let spinning = stop.clone();
+            let thread = std::thread::spawn(move || {
+                pin(cpu);
+                while !spinning.load(Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            });
+            BusyNeighbour {
+                stop,
+                thread: Some(thread),
+            }
+        }
+    }
+
+    impl Drop for BusyNeighbour {
+        fn drop(&mut self) {
+            self.stop.store(true, Ordering::Relaxed);
+            if let Some(t) = self.thread.take() {
+                t.join().expect("the busy loop ends");
+            }
+        }
+    }
+
     /// A waiting thread that shares its core with a busy loop finds out,
     /// and then sleeps after `CONTENDED_PATIENCE` rather than spinning.
     #[test]
@@ -300,28 +338,13 @@ mod tests {
             eprintln!("this kernel keeps no schedstat: nothing to notice with");
             return;
         }
-        let allowed = rustix::thread::sched_getaffinity(None).expect("affinity");
-        let cpu = (0..rustix::thread::CpuSet::MAX_CPU)
-            .find(|c| allowed.is_set(*c))
-            .expect("a CPU");
-        pin(cpu);
-        let stop = Arc::new(AtomicBool::new(false));
-        let busy = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                pin(cpu);
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        };
+        let busy = BusyNeighbour::start();
         let mut poller = Poller::new(Duration::from_millis(1), Duration::from_millis(1));
         let started = Instant::now();
         while !poller.contended && started.elapsed() < Duration::from_secs(10) {
             poller.phase(Duration::from_secs(60));
         }
-        stop.store(true, Ordering::Relaxed);
-        busy.join().unwrap();
+        drop(busy);
         assert!(poller.contended, "a core shared for 10 s was not noticed");
         poller.busy();
         assert_eq!(poller.phase(Duration::from_secs(60)), Phase::Spin);
@@ -338,21 +361,7 @@ mod tests {
     /// alone.
     #[test]
     fn a_yield_to_a_busy_loop_is_noticed() {
-        let allowed = rustix::thread::sched_getaffinity(None).expect("affinity");
-        let cpu = (0..rustix::thread::CpuSet::MAX_CPU)
-            .find(|c| allowed.is_set(*c))
-            .expect("a CPU");
-        pin(cpu);
-        let stop = Arc::new(AtomicBool::new(false));
-        let busy = {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                pin(cpu);
-                while !stop.load(Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        };
+        let busy = BusyNeighbour::start();
         // Ranks that outnumber cores: no spin, a long patience of yields.
         let mut poller = Poller::new(Duration::ZERO, Duration::from_secs(60));
         let asked = std::cell::Cell::new(0);
@@ -372,8 +381,7 @@ mod tests {
         }
         let hogged = poller.hogged();
         round(&mut poller);
-        stop.store(true, Ordering::Relaxed);
-        busy.join().unwrap();
+        drop(busy);
         assert!(
             hogged,
             "no yield came back {HOG_GAP:?} late in 10 s beside a busy loop"
