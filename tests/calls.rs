@@ -105,6 +105,17 @@ fn abort_from_another_thread_ends_the_blocked_call_and_tells_the_peers() {
                 "{l}"
             );
         }
+        // A call with nothing to move returns without a transfer: it still
+        // refuses on an aborted communicator, and checks its root.
+        for rank in 0..3 {
+            assert!(
+                line(rank).ends_with("an empty call after: Err(Aborted)"),
+                "{}",
+                line(rank)
+            );
+            let root = format!("rank {rank} empty call with no root: InvalidArgument");
+            assert!(r.stdout.contains(&root), "{}", r.stdout);
+        }
         assert!(r.elapsed < Duration::from_secs(20), "took {:?}", r.elapsed);
     }
 }

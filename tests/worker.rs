@@ -440,8 +440,17 @@ fn split(comm: &mut Communicator) -> Result<(), String> {
 }
 
 /// Rank 0 blocks in a receive that never completes; a second thread aborts
-/// it. Prints how each rank's blocked call ended, for the test to check.
+/// it. Prints how each rank's blocked call ended, and how a call with
+/// nothing to move (which returns without a transfer) ended after, for the
+/// test to check. Such a call with a root that is no rank fails at once.
 fn abort(comm: &mut Communicator) -> Result<(), String> {
+    let no_root = comm.broadcast::<f32>(&mut [], comm.size());
+    let e = no_root.expect_err("an empty broadcast from no rank must fail");
+    println!(
+        "rank {} empty call with no root: {:?}: {e}",
+        comm.rank(),
+        e.kind()
+    );
     comm.barrier().map_err(|e| e.to_string())?;
     let started = std::time::Instant::now();
     let result = if comm.rank() == 0 {
@@ -456,11 +465,13 @@ fn abort(comm: &mut Communicator) -> Result<(), String> {
         comm.barrier()
     };
     let e = result.expect_err("the blocked call must fail");
+    let empty = comm.broadcast::<f32>(&mut [], 0);
     println!(
-        "rank {} ended after {:.1}s with {:?}: {e}",
+        "rank {} ended after {:.1}s with {:?}: {e}; an empty call after: {:?}",
         comm.rank(),
         started.elapsed().as_secs_f64(),
-        e.kind()
+        e.kind(),
+        empty.map_err(|e| e.kind())
     );
     Ok(())
 }

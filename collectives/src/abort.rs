@@ -62,6 +62,12 @@ impl AbortFlag {
         self.wake.ring();
     }
 
+    /// Whether it fired: one atomic load (every call asks).
+    #[inline]
+    pub fn fired(&self) -> bool {
+        self.set.load(Ordering::Acquire)
+    }
+
     /// The reason, once fired. One atomic load while it is not (inlined:
     /// every call asks).
     #[inline]

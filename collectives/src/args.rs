@@ -296,25 +296,7 @@ impl CallArgs {
         // Element sizes are powers of two: masks, not divisions (every
         // call is checked; a division costs a tenth of a call of nothing).
         let whole = |bytes: usize| bytes & (elem - 1) == 0;
-        if collective.reduces() != self.op.is_some() {
-            let need = if self.op.is_some() {
-                "not used here"
-            } else {
-                "needed"
-            };
-            return Err(format!("{collective}: a reduction op is {need}"));
-        }
-        match self.root {
-            Some(_) if !collective.rooted() => return Err(format!("{collective} has no root")),
-            Some(root) if root >= n => {
-                return Err(format!(
-                    "{collective}: root {root} is not a rank of the {n}"
-                ))
-            }
-            None if collective.rooted() => return Err(format!("{collective} needs a root")),
-            _ => {}
-        }
-        self.check_peer(rank, n, input)?;
+        self.check_roles(rank, n, input.is_some())?;
         for b in input.into_iter().chain([output]) {
             if !whole(b.len()) {
                 return Err(format!(
@@ -349,7 +331,48 @@ impl CallArgs {
         Ok(count as u64)
     }
 
-    fn check_peer(&self, rank: Rank, n: usize, input: Option<&[u8]>) -> Result<(), String> {
+    /// Whether the call moves nothing: a collective of fixed shape whose
+    /// buffers are empty. It returns at once, as in NCCL and MPI, after
+    /// `check_roles` (every other check passes empty buffers); barriers,
+    /// point-to-point and AllToAllv (whose peers may expect blocks) always run.
+    #[inline(always)]
+    pub(crate) fn moves_nothing(&self, input_len: Option<usize>, output_len: usize) -> bool {
+        output_len == 0
+            && input_len.is_none_or(|l| l == 0)
+            && !matches!(
+                self.collective,
+                Collective::Barrier | Collective::PointToPoint | Collective::AllToAllV
+            )
+    }
+
+    /// The checks that do not look at the buffers: op, root and peer, for
+    /// a call with a send buffer (`out_of_place`) or without.
+    pub(crate) fn check_roles(
+        &self,
+        rank: Rank,
+        n: usize,
+        out_of_place: bool,
+    ) -> Result<(), String> {
+        let collective = self.collective;
+        if collective.reduces() != self.op.is_some() {
+            let need = if self.op.is_some() {
+                "not used here"
+            } else {
+                "needed"
+            };
+            return Err(format!("{collective}: a reduction op is {need}"));
+        }
+        match self.root {
+            Some(_) if !collective.rooted() => Err(format!("{collective} has no root")),
+            Some(root) if root >= n => Err(format!(
+                "{collective}: root {root} is not a rank of the {n}"
+            )),
+            None if collective.rooted() => Err(format!("{collective} needs a root")),
+            _ => self.check_peer(rank, n, out_of_place),
+        }
+    }
+
+    fn check_peer(&self, rank: Rank, n: usize, out_of_place: bool) -> Result<(), String> {
         let collective = self.collective;
         match (collective, self.peer) {
             (Collective::PointToPoint, None) => Err("send/recv needs a peer".into()),
@@ -359,10 +382,10 @@ impl CallArgs {
             (Collective::PointToPoint, Some(p)) if p.rank() == rank => Err(format!(
                 "rank {rank} cannot send to or receive from itself outside a group"
             )),
-            (Collective::PointToPoint, Some(Peer::To(_))) if input.is_none() => {
+            (Collective::PointToPoint, Some(Peer::To(_))) if !out_of_place => {
                 Err("send: no send buffer".into())
             }
-            (Collective::PointToPoint, Some(Peer::From(_))) if input.is_some() => {
+            (Collective::PointToPoint, Some(Peer::From(_))) if out_of_place => {
                 Err("recv: a send buffer is not used here".into())
             }
             (Collective::PointToPoint, _) => Ok(()),

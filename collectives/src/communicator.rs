@@ -329,6 +329,13 @@ impl Communicator {
         self.close(reason);
     }
 
+    /// Whether [`aborted`](Self::aborted) has a reason: two loads, inlined
+    /// (every call asks).
+    #[inline]
+    pub(crate) fn is_aborted(&self) -> bool {
+        self.aborted.is_some() || self.abort.fired()
+    }
+
     /// Whether the communicator was aborted (by a failure or on request), and why.
     pub fn aborted(&self) -> Option<String> {
         self.aborted.clone().or_else(|| self.abort.reason())

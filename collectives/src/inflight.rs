@@ -295,11 +295,11 @@ impl Communicator {
         input: Option<RawBuf>,
         output: RawBuf,
     ) -> Result<()> {
+        if args.moves_nothing(input.map(|b| b.len), output.len) {
+            return self.nothing_to_move(args, input.is_some());
+        }
         // SAFETY: the caller's promise.
         let a = unsafe { self.admit(args, input, output)? };
-        if a.skip {
-            return Ok(()); // as `wait` would at once
-        }
         let (state, failure) = match self.alone(&a, input, output) {
             Alone::Done => return Ok(()),
             Alone::Queue(state) => (state, None),
@@ -356,6 +356,41 @@ impl Communicator {
         Alone::Queue(State::Flags(flags))
     }
 
+    /// A blocking call that moves nothing: checked, numbered and counted as
+    /// `admit` would, and done, without its buffers' checks (which empty
+    /// buffers pass), a descriptor or a record entry (a 4-rank AllToAll of 8
+    /// B, 2 bytes a block, so none: 0.033 -> 0.016 us a call; Open MPI 0.004).
+    #[inline(always)]
+    fn nothing_to_move(&mut self, args: &CallArgs, out_of_place: bool) -> Result<()> {
+        self.refuse_if_aborted()?;
+        let rank = self.rank;
+        self.next_seq(None); // used up by an argument error too, as in `admit`
+        (args.check_roles(rank, self.size, out_of_place))
+            .map_err(|message| Error::InvalidArgument { rank, message })?;
+        self.recorder.skipped(args.collective);
+        Ok(())
+    }
+
+    /// An error naming the reason if the communicator was aborted (and
+    /// closes it, if a peer's abort is news). Two loads while it was not.
+    #[inline(always)]
+    fn refuse_if_aborted(&mut self) -> Result<()> {
+        match self.is_aborted() {
+            false => Ok(()),
+            true => self.refuse_aborted(),
+        }
+    }
+
+    #[cold]
+    fn refuse_aborted(&mut self) -> Result<()> {
+        let reason = self.aborted().unwrap_or_default();
+        self.close(&reason);
+        Err(Error::Aborted {
+            rank: self.rank(),
+            reason,
+        })
+    }
+
     /// Checks and numbers a call (an argument error comes back here) and
     /// records it; it is not queued yet.
     ///
@@ -368,23 +403,11 @@ impl Communicator {
         input: Option<RawBuf>,
         output: RawBuf,
     ) -> Result<Admitted> {
-        if let Some(reason) = self.aborted() {
-            self.close(&reason);
-            return Err(Error::Aborted {
-                rank: self.rank(),
-                reason,
-            });
-        }
+        self.refuse_if_aborted()?;
         // SAFETY: the caller's promise.
         let (i, o) = unsafe { (input.map(|b| b.bytes()), output.bytes()) };
         let desc = self.describe(args, i, o)?;
-        // Nothing to move (as in NCCL and MPI); barriers, point-to-point and
-        // AllToAllv (whose peers may expect blocks) always run.
-        let skip = desc.count == 0
-            && !matches!(
-                args.collective,
-                Collective::Barrier | Collective::PointToPoint | Collective::AllToAllV
-            );
+        let skip = args.moves_nothing(input.map(|b| b.len), output.len);
         let id = CallId(self.inflight.next_id);
         self.inflight.next_id += 1;
         let peer = args
@@ -392,7 +415,7 @@ impl Communicator {
             .map(|p| (p.rank(), matches!(p, crate::Peer::To(_))));
         let bytes = larger(input, output);
         let slot = match skip {
-            true => self.recorder.skipped(desc),
+            true => self.recorder.skipped(desc.collective),
             false => self.recorder.start(desc, peer, bytes),
         };
         Ok(Admitted {
