@@ -477,12 +477,15 @@ impl Tiny {
             len: part.len(),
             chain: call.chain,
         };
-        // SAFETY: our own slot: every rank is done with the call it held
-        // (module doc), and none reads it for this call before we publish.
-        unsafe {
-            std::ptr::copy_nonoverlapping(part.as_ptr(), own.data(call.k, part.len()), part.len());
-            Segment::write_label(mine, label);
+        let data = own.data(call.k, part.len());
+        for (at, len) in call.published_ranges(self.me) {
+            // SAFETY: our own slot: every rank is done with the call it held
+            // (module doc), and none reads it for this call before we publish;
+            // the ranges lie within the part.
+            unsafe { std::ptr::copy_nonoverlapping(part.as_ptr().add(at), data.add(at), len) };
         }
+        // SAFETY: as above.
+        unsafe { Segment::write_label(mine, label) };
         let cpu = current_cpu();
         Segment::word(mine, CPU).store(cpu, Ordering::Relaxed);
         match self.fence {
@@ -596,6 +599,11 @@ impl Tiny {
         while call.next < call.n {
             let r = call.next;
             if !call.reads(self.me, r) {
+                call.next += 1;
+                continue;
+            }
+            if r == self.me && call.collective == Collective::AllToAll {
+                call.keep_own_block(self.me, input, output);
                 call.next += 1;
                 continue;
             }
@@ -812,6 +820,31 @@ impl FlagCall {
         match (self.collective, input) {
             (Collective::AllGather, None) => &output[me * len..][..len],
             (_, input) => &input.unwrap_or(output)[..len],
+        }
+    }
+
+    /// The ranges of rank `me`'s part (at, len) it copies into its slot:
+    /// all of it, but for an AllToAll's block to itself, which no peer
+    /// reads (`keep_own_block`; 2-rank AllToAll of 4 KiB 0.37 -> 0.20 us a
+    /// call, of 8 and 16 KiB 0.89x the time). A ReduceScatter's own block
+    /// stays: in place, its result overwrites it before it is added.
+    fn published_ranges(&self, me: Rank) -> [(usize, usize); 2] {
+        let len = self.part_len(me);
+        match self.collective {
+            Collective::AllToAll => {
+                let block = self.bytes / self.n;
+                [(0, me * block), ((me + 1) * block, len - (me + 1) * block)]
+            }
+            _ => [(0, len), (len, 0)],
+        }
+    }
+
+    /// An AllToAll's block from rank `me` to itself, straight from its
+    /// input (in place it is there already).
+    fn keep_own_block(&self, me: Rank, input: Option<&[u8]>, output: &mut [u8]) {
+        let block = self.bytes / self.n;
+        if let Some(input) = input {
+            output[me * block..][..block].copy_from_slice(&input[me * block..][..block]);
         }
     }
 
