@@ -4,8 +4,10 @@
 # collbench's own sizes, iteration rules, busbw definitions and checks: every
 # collective against its MPI_* counterpart) and, when torch is importable,
 # torch.distributed's Gloo backend (ci/gloo_bench.py; allreduce, alltoall).
-# Runs are interleaved (ours, MPI, Gloo, repeat) so machine noise hits all
-# alike; the table shows medians and ratios, and
+# Runs are interleaved (ours, MPI, Gloo, repeat; ours and MPI swap places
+# every other repetition) so machine noise hits all alike; the table shows
+# medians and the median of each repetition's ratio (runs seconds apart:
+# the machine's speed drifts between repetitions), and
 # target/compare/<collective>.svg charts them (collbench plot).
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
@@ -89,14 +91,20 @@ if [ $busy = 1 ]; then
   trap 'kill $hog 2>/dev/null' EXIT
   echo "compare.sh: a busy loop (pid $hog) holds core $core throughout" >&2
 fi
+run_mpi() {
+  mpirun.openmpi -n "$2" "$out/mpibench" $fresh "$1" $sizes_b > "$results/mpi-$1-$2-$3.txt"
+}
 for rep in $(seq "$reps"); do
   # The machine's mode as this repetition starts (see --fresh above).
   "$out/linepingpong" 200000 | tee -a "$results/linepingpong.txt" >&2
   for coll in $collectives; do
     for n in $ranks; do
       echo "compare.sh: repetition $rep/$reps, $coll, $n ranks" >&2
+      # Who goes first alternates: a run can leave the machine changed for
+      # the next one (a rank the scheduler put beside the busy loop).
+      if [ $((rep % 2)) = 0 ]; then run_mpi "$coll" "$n" "$rep"; fi
       target/release/collbench "$coll" -n "$n" --size "$list" -c 1 $fresh --json "$results/ours-$coll-$n-$rep.json" >/dev/null
-      mpirun.openmpi -n "$n" "$out/mpibench" $fresh "$coll" $sizes_b > "$results/mpi-$coll-$n-$rep.txt"
+      if [ $((rep % 2)) = 1 ]; then run_mpi "$coll" "$n" "$rep"; fi
       if [ $gloo = 1 ] && { [ "$coll" = allreduce ] || [ "$coll" = alltoall ]; }; then
         "$python" ci/gloo_bench.py $fresh "$coll" "$n" $sizes_b > "$results/gloo-$coll-$n-$rep.txt"
       fi

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Reads the raw results ci/compare.sh collected and prints one table:
 per collective, rank count and size, our median busbw (or time, at sizes
-where time is what matters), Open MPI's and Gloo's, and the ratios.
+where time is what matters), Open MPI's and Gloo's, and the ratios: the
+median of the repetitions' ratios, each between runs made one after the
+other (the machine's speed drifts between repetitions, see ci/ab.py).
 
     compare_table.py RESULTS_DIR
 """
@@ -23,30 +25,30 @@ def human(b):
 
 
 def main(d):
-    # results[(coll, n, size, impl, mode)] = [values]; value = (time_us, busbw, wrong)
-    res = defaultdict(list)
+    # res[(coll, n, size, impl, mode)] = {rep: value}; value = (time_us, busbw, wrong)
+    res = defaultdict(dict)
     for path in glob.glob(os.path.join(d, "ours-*.json")):
-        _, coll, n, _rep = os.path.basename(path)[:-5].split("-")
+        _, coll, n, rep = os.path.basename(path)[:-5].split("-")
         doc = json.load(open(path))
         for r in doc["rows"]:
             for mode in ["out_of_place", "in_place"]:
                 m = r[mode]
-                res[(coll, int(n), r["bytes"], "ours", mode)].append((m["time_us"], m["busbw_gbs"], m["wrong"]))
+                res[(coll, int(n), r["bytes"], "ours", mode)][rep] = (m["time_us"], m["busbw_gbs"], m["wrong"])
     for path in glob.glob(os.path.join(d, "mpi-*.txt")) + glob.glob(os.path.join(d, "gloo-*.txt")):
-        impl, coll, n, _rep = os.path.basename(path)[:-4].split("-")
+        impl, coll, n, rep = os.path.basename(path)[:-4].split("-")
         for line in open(path):
             f = line.split()
             if len(f) == 8 and impl == "mpi":
                 size = int(f[0])
-                res[(coll, int(n), size, "mpi", "out_of_place")].append((float(f[2]), float(f[3]), int(f[4])))
-                res[(coll, int(n), size, "mpi", "in_place")].append((float(f[5]), float(f[6]), int(f[7])))
+                res[(coll, int(n), size, "mpi", "out_of_place")][rep] = (float(f[2]), float(f[3]), int(f[4]))
+                res[(coll, int(n), size, "mpi", "in_place")][rep] = (float(f[5]), float(f[6]), int(f[7]))
             elif len(f) == 5 and impl == "gloo":
                 mode = "in_place" if coll == "allreduce" else "out_of_place"
-                res[(coll, int(n), int(f[0]), "gloo", mode)].append((float(f[2]), float(f[3]), int(f[4])))
+                res[(coll, int(n), int(f[0]), "gloo", mode)][rep] = (float(f[2]), float(f[3]), int(f[4]))
 
     def med(key, i):
         vals = res.get(key)
-        return statistics.median(v[i] for v in vals) if vals else None
+        return statistics.median(v[i] for v in vals.values()) if vals else None
 
     keys = sorted({(c, n, s) for (c, n, s, _, _) in res})
     have_gloo = any(k[3] == "gloo" for k in res)
@@ -61,26 +63,27 @@ def main(d):
             ours_key = (coll, n, size, "ours", mode)
             if ours_key not in res:
                 continue
-            wrong += sum(v[2] for impl in ["ours", "mpi", "gloo"] for v in res.get((coll, n, size, impl, mode), []))
+            wrong += sum(v[2] for impl in ["ours", "mpi", "gloo"] for v in res.get((coll, n, size, impl, mode), {}).values())
             latency = size < LATENCY_BYTES
             i = 0 if latency else 1
             metric = "time us" if latency else "busbw GB/s"
 
-            def ratio(theirs):
-                ours = med(ours_key, i)
-                if theirs is None or ours in (None, 0) or theirs == 0:
-                    return "-"
+            def ratio(impl):
                 # > 1 means we are better: less time, or more bandwidth.
-                return f"{theirs / ours:.2f}" if latency else f"{ours / theirs:.2f}"
+                ours, theirs = res[ours_key], res.get((coll, n, size, impl, mode), {})
+                pairs = [(ours[r][i], theirs[r][i]) for r in ours if r in theirs]
+                rs = [(t / o if latency else o / t) for o, t in pairs if o and t]
+                return f"{statistics.median(rs):.2f}" if rs else "-"
 
             mpi = med((coll, n, size, "mpi", mode), i)
             row = f"{coll:<13} {n:>2} {human(size):>8} {short:<6} {metric:<9} {med(ours_key, i):>9.2f} "
-            row += f"{mpi:>9.2f} {ratio(mpi):>6}" if mpi is not None else f"{'-':>9} {'-':>6}"
+            row += f"{mpi:>9.2f} {ratio('mpi'):>6}" if mpi is not None else f"{'-':>9} {'-':>6}"
             if have_gloo:
                 g = med((coll, n, size, "gloo", mode), i)
-                row += f" {g:>9.2f} {ratio(g):>6}" if g is not None else f" {'-':>9} {'-':>6}"
+                row += f" {g:>9.2f} {ratio('gloo'):>6}" if g is not None else f" {'-':>9} {'-':>6}"
             print(row)
-    print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B); medians of the repetitions; wrong values in all runs: {wrong}")
+    print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B): the median of the"
+          f" repetitions' ratios; values: medians of the repetitions; wrong values in all runs: {wrong}")
     print(line_round_trips(d))
     write_series(res, keys, d)
     return 1 if wrong else 0
@@ -110,7 +113,8 @@ def write_series(res, keys, d):
                 mode = "in_place" if (impl == "gloo" and coll == "allreduce") else "out_of_place"
                 key = (c, k, size, impl, mode)
                 if (c, k) == (coll, n) and key in res:
-                    t, bw = statistics.median(v[0] for v in res[key]), statistics.median(v[1] for v in res[key])
+                    vals = res[key].values()
+                    t, bw = statistics.median(v[0] for v in vals), statistics.median(v[1] for v in vals)
                     rows.append({"bytes": size, "out_of_place": {"time_us": t, "busbw_gbs": bw}})
             if rows:
                 doc = {"collective": coll, "nranks": n, "label": f"{name}, {n} ranks", "rows": rows}
