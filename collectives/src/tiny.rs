@@ -102,6 +102,7 @@ const INLINE: usize = HEADER - DATA;
 /// In the control line: the rank (+1) whose flag this rank sleeps on, and
 /// whether it left (its communicator was aborted or dropped).
 const SLEEPING_ON: usize = 4;
+const LEFT: usize = 12;
 /// A rank takes the header line of its slot this many calls ahead for
 /// writing as it publishes a call (`executor::prefetch_for_write`). Readers
 /// read it last `SLOTS` calls ago and may hold it still: a store to such a
@@ -114,7 +115,6 @@ const SLEEPING_ON: usize = 4;
 /// reader may still be reading those lines) and it cost 1.4x the time at
 /// 1-2 KiB when lines move fast (0.57x when slow).
 const WRITE_AHEAD: u64 = 2;
-const LEFT: usize = 12;
 
 /// One rank's segment, mapped: its control and progress lines, `SLOTS`
 /// slot headers, then `data_slots` slots' data of `data_bytes` each.
