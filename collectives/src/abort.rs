@@ -72,7 +72,7 @@ impl AbortFlag {
     /// every call asks).
     #[inline]
     pub fn reason(&self) -> Option<String> {
-        match self.set.load(Ordering::Acquire) {
+        match self.fired() {
             true => self.fired_reason(),
             false => None,
         }
