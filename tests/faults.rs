@@ -5,7 +5,7 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::time::Duration;
 
-use integration_tests::{alive, free_port, run, worker_pids, Run};
+use integration_tests::{alive, closed_port, free_port, run, worker_pids, Run};
 
 fn worker() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_coll-worker"))
@@ -279,7 +279,8 @@ fn env_rank(rank: &str, addr: &str, port: &str, timeout: &str) -> Run {
 
 #[test]
 fn an_unreachable_master_is_reported() {
-    let port = free_port().to_string();
+    let (_held, port) = closed_port();
+    let port = port.to_string();
     let r = env_rank("1", "127.0.0.1", &port, "2");
     assert!(!r.ok);
     assert!(

@@ -112,6 +112,19 @@ pub fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// A loopback port nobody listens on, held for as long as the returned socket
+/// lives: bound but not listening, so a connection to it is refused and no
+/// other socket (another test's listener on an ephemeral port) can take it.
+pub fn closed_port() -> (rustix::fd::OwnedFd, u16) {
+    use rustix::net::{bind, getsockname, socket, AddressFamily, SocketAddrV4, SocketType};
+    let sock = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+    bind(&sock, &SocketAddrV4::new([127, 0, 0, 1].into(), 0)).unwrap();
+    let port = std::net::SocketAddr::try_from(getsockname(&sock).unwrap())
+        .unwrap()
+        .port();
+    (sock, port)
+}
+
 /// A TCP port that was free a moment ago.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

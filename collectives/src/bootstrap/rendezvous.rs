@@ -279,7 +279,9 @@ fn connect(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, String> {
         match TcpStream::connect_timeout(
             &addr,
             left.clamp(Duration::from_millis(1), Duration::from_secs(5)),
-        ) {
+        )
+        .and_then(not_to_itself)
+        {
             Ok(s) => return Ok(s),
             Err(e) if left > Duration::from_millis(100) => {
                 tracing::debug!(%addr, "rendezvous not reachable yet: {e}");
@@ -293,6 +295,19 @@ fn connect(addr: SocketAddr, deadline: Instant) -> Result<TcpStream, String> {
             }
         }
     }
+}
+
+/// A client retrying a local port in the ephemeral range can be handed that
+/// very port as its own and connect to itself (TCP simultaneous open): that
+/// is no rendezvous, so it counts as one not reachable yet.
+fn not_to_itself(stream: TcpStream) -> std::io::Result<TcpStream> {
+    if stream.local_addr()? == stream.peer_addr()? {
+        return Err(std::io::Error::new(
+            ErrorKind::ConnectionRefused,
+            "connected to itself: nothing listens there",
+        ));
+    }
+    Ok(stream)
 }
 
 fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
@@ -331,4 +346,28 @@ pub fn from_hex(s: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustix::net::{
+        bind, connect, getsockname, socket, AddressFamily, SocketAddrV4, SocketType,
+    };
+
+    #[test]
+    fn a_connection_to_itself_is_not_the_rendezvous() {
+        // Bound to a port and connected to that same port: Linux joins the
+        // socket to itself, as a retrying client's connect can by chance.
+        let sock = socket(AddressFamily::INET, SocketType::STREAM, None).unwrap();
+        bind(&sock, &SocketAddrV4::new([127, 0, 0, 1].into(), 0)).unwrap();
+        let own = getsockname(&sock).unwrap();
+        connect(&sock, &own).unwrap();
+        let err = not_to_itself(TcpStream::from(sock)).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::ConnectionRefused);
+
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let to_listener = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        assert!(not_to_itself(to_listener).is_ok());
+    }
 }
