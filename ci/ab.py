@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
@@ -13,7 +13,9 @@ runs Open MPI (ci/mpibench.c built as target/compare/mpibench, as
 ci/compare.sh builds it). Copy each build aside first (cp
 target/release/collbench /tmp/cb-a), then rebuild. --fresh: every binary,
 Open MPI's too, rewrites each call's input before the call (collbench
---fresh). SIZE takes K, M and G suffixes for every binary.
+--fresh). --tcp: every binary over TCP on loopback (ours COLL_TRANSPORT=tcp,
+Open MPI's btl tcp on lo). A BIN may carry COLL_* settings before the path
+(COLL_CHUNK=256K:/tmp/cb-a). SIZE takes K, M and G suffixes for every binary.
 """
 import json
 import os
@@ -27,20 +29,25 @@ def in_bytes(size):
     return str(int(size[:-1]) * units[size[-1]]) if size[-1] in units else size
 
 
-def run(binary, coll, ranks, size, iters, fresh):
+def run(binary, coll, ranks, size, iters, fresh, tcp):
     if binary == "mpi":
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
-        out = subprocess.run(["mpirun.openmpi", "-n", ranks, "target/compare/mpibench"]
+        btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] * tcp
+        out = subprocess.run(["mpirun.openmpi", "-n", ranks] + btl + ["target/compare/mpibench"]
                              + ["--fresh"] * fresh + [coll, in_bytes(size)],
                              capture_output=True, text=True, env=env, check=True).stdout
         return float(out.strip().splitlines()[-1].split()[2])
+    *settings, binary = binary.split(":")
+    env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
+    if tcp:
+        env["COLL_TRANSPORT"] = "tcp"
     cmd = [binary, coll, "-n", ranks, "-b", size, "-e", size, "--json", "-"]
     if iters:
         cmd += ["--iters", iters]
     if fresh:
         cmd.append("--fresh")
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
     return json.loads(out)["rows"][0]["out_of_place"]["time_us"]
 
 
@@ -54,13 +61,16 @@ def main():
     fresh = "--fresh" in args
     if fresh:
         args.remove("--fresh")
+    tcp = "--tcp" in args
+    if tcp:
+        args.remove("--tcp")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     times = {b: [] for b in bins}
     for r in range(rounds):
         for b in bins if r % 2 == 0 else bins[::-1]:
-            times[b].append(run(b, coll, ranks, size, iters, fresh))
+            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp))
     base = times[bins[0]]
     for b in bins:
         t = times[b]
