@@ -29,7 +29,7 @@ proptest! {
                                      tag in any::<u128>(), len in 0usize..1 << 48) {
         let h = Hello { token, from, to };
         prop_assert_eq!(wire::decode_hello(&wire::encode_hello(&h)), Ok(h));
-        let f = Frame::Data { tag, len };
+        let f = Frame::Data { tag, len, seq: len as u32 ^ from as u32 };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(f)), Some(f));
         let bye = Frame::Bye { received: len as u32 };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(bye)), Some(bye));
@@ -50,32 +50,36 @@ proptest! {
     // Each case is a real socket pair: fewer, slower cases.
     #![proptest_config(ProptestConfig::with_cases(96))]
 
-    /// A connected peer sends anything (a valid header may lead it, with
-    /// any length and tag), then hangs up: the receiving connection fails
-    /// or completes, within a bounded number of steps.
+    /// A connected peer sends anything on the small messages' lane (a valid
+    /// header may lead it, with any length, tag and number), then hangs up
+    /// (both lanes): the receiving connection fails or completes, within a
+    /// bounded number of steps.
     #[test]
     fn a_tcp_connection_survives_any_byte_stream(
-        lead in prop::option::of((any::<u128>(), any::<u64>(), any::<bool>())),
+        lead in prop::option::of((any::<u128>(), any::<u64>(), any::<bool>(), any::<u32>())),
         junk in prop::collection::vec(any::<u8>(), 0..512),
     ) {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let mut peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-        let (ours, _) = listener.accept().unwrap();
-        let mut conn = TcpConnection::new(ours, 1).unwrap();
+        let (small, _) = listener.accept().unwrap();
+        let other_peer = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (large, _) = listener.accept().unwrap();
+        let mut conn = TcpConnection::new([small, large], false, 1).unwrap();
         let mut buf = vec![0u8; 64];
         let region = MemRegion::plain(buf.as_mut_ptr(), buf.len());
         // SAFETY: `buf` outlives the connection (dropped at the end of the case).
         let request = unsafe { conn.irecv(&region, 0, 64, 7) }.unwrap();
-        if let Some((tag, len, abort)) = lead {
+        if let Some((tag, len, abort, seq)) = lead {
             let frame = match abort {
                 true => Frame::Abort { reason_len: len as usize },
-                false => Frame::Data { tag, len: len as usize },
+                false => Frame::Data { tag, len: len as usize, seq: seq % 3 },
             };
             let header: [u8; HEADER_LEN] = wire::encode_header(frame);
             peer.write_all(&header).unwrap();
         }
         let _ = peer.write_all(&junk);
         drop(peer);
+        drop(other_peer);
         let mut outcome = None;
         for _ in 0..10_000 {
             match conn.progress() {

@@ -150,6 +150,9 @@ pub enum Wake<'a> {
     Now,
     /// Sleep until this descriptor has this readiness (or the deadline).
     On(BorrowedFd<'a>, Interest),
+    /// Sleep until either descriptor has its readiness (a connection with a
+    /// socket per direction).
+    Either([(BorrowedFd<'a>, Interest); 2]),
 }
 
 /// A way of moving bytes between ranks (TCP, shared memory, verbs).

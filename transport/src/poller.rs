@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-use crate::{Connection, Error, Result, Wake};
+use crate::{Connection, Error, Interest, Result, Wake};
 
 /// Decides what an idle progress loop does, in three phases:
 ///
@@ -254,12 +254,8 @@ fn sleep_until_ready<'a, 'e>(
         match conn.wake_source() {
             Wake::Idle => {}
             Wake::Now => return Ok(()),
-            Wake::On(fd, want) => {
-                let mut flags = PollFlags::empty();
-                flags.set(PollFlags::IN, want.readable);
-                flags.set(PollFlags::OUT, want.writable);
-                fds.push(PollFd::from_borrowed_fd(fd, flags));
-            }
+            Wake::On(fd, want) => fds.push(poll_fd(fd, want)),
+            Wake::Either(both) => fds.extend(both.map(|(fd, want)| poll_fd(fd, want))),
         }
     }
     let timeout = if fds.len() == extras {
@@ -277,6 +273,13 @@ fn sleep_until_ready<'a, 'e>(
         Ok(_) | Err(rustix::io::Errno::INTR) => Ok(()),
         Err(e) => Err(Error::io(None, "poll", &e.into())),
     }
+}
+
+fn poll_fd(fd: BorrowedFd<'_>, want: Interest) -> PollFd<'_> {
+    let mut flags = PollFlags::empty();
+    flags.set(PollFlags::IN, want.readable);
+    flags.set(PollFlags::OUT, want.writable);
+    PollFd::from_borrowed_fd(fd, flags)
 }
 
 #[cfg(test)]

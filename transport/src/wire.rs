@@ -3,8 +3,9 @@
 
 use crate::{Hello, Rank, Tag};
 
-/// Protocol version; a peer with another version is refused.
-pub(crate) const VERSION: u32 = 1;
+/// Protocol version; a peer with another version is refused. 2: TCP
+/// connections of two streams, numbered messages.
+pub(crate) const VERSION: u32 = 2;
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"CLLH");
 const ACK_MAGIC: u32 = u32::from_le_bytes(*b"CLLK");
@@ -65,9 +66,12 @@ pub(crate) fn decode_ack(b: &[u8; ACK_LEN]) -> Option<Rank> {
 /// What a message header announces.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Frame {
+    /// The `seq`th message (counted from 0, wrapping) its sender sent on
+    /// the connection.
     Data {
         tag: Tag,
         len: usize,
+        seq: u32,
     },
     Abort {
         reason_len: usize,
@@ -81,12 +85,13 @@ pub(crate) enum Frame {
 
 pub(crate) fn encode_header(frame: Frame) -> [u8; HEADER_LEN] {
     let mut b = [0u8; HEADER_LEN];
-    let (magic, len, tag) = match frame {
-        Frame::Data { tag, len } => (DATA_MAGIC, len, tag),
-        Frame::Abort { reason_len } => (ABORT_MAGIC, reason_len, 0),
-        Frame::Bye { received } => (BYE_MAGIC, received as usize, 0),
+    let (magic, len, tag, seq) = match frame {
+        Frame::Data { tag, len, seq } => (DATA_MAGIC, len, tag, seq),
+        Frame::Abort { reason_len } => (ABORT_MAGIC, reason_len, 0, 0),
+        Frame::Bye { received } => (BYE_MAGIC, received as usize, 0, 0),
     };
     b[0..4].copy_from_slice(&magic.to_le_bytes());
+    b[4..8].copy_from_slice(&seq.to_le_bytes());
     b[8..16].copy_from_slice(&(len as u64).to_le_bytes());
     b[16..32].copy_from_slice(&tag.to_le_bytes());
     b
@@ -98,6 +103,7 @@ pub(crate) fn decode_header(b: &[u8; HEADER_LEN]) -> Option<Frame> {
         DATA_MAGIC => Some(Frame::Data {
             tag: u128::from_le_bytes(b[16..32].try_into().unwrap()),
             len,
+            seq: u32_at(b, 4),
         }),
         ABORT_MAGIC => Some(Frame::Abort {
             reason_len: len.min(MAX_REASON_LEN),
@@ -127,8 +133,8 @@ mod tests {
         assert_eq!(decode_hello(&encode_hello(&h)), Ok(h));
         assert_eq!(decode_hello(&[b'G'; HELLO_LEN]), Err(BadHello::NotOurs));
         let mut v2 = encode_hello(&h);
-        v2[4] = 2;
-        assert_eq!(decode_hello(&v2), Err(BadHello::Version(2)));
+        v2[4] = 1;
+        assert_eq!(decode_hello(&v2), Err(BadHello::Version(1)));
     }
 
     #[test]
@@ -137,8 +143,13 @@ mod tests {
             Frame::Data {
                 tag: u128::MAX - 5,
                 len: 1 << 40,
+                seq: u32::MAX,
             },
-            Frame::Data { tag: 0, len: 0 },
+            Frame::Data {
+                tag: 0,
+                len: 0,
+                seq: 0,
+            },
             Frame::Abort { reason_len: 17 },
         ] {
             assert_eq!(decode_header(&encode_header(f)), Some(f));

@@ -72,73 +72,96 @@ fn drive(
 fn messages_arrive_whole_and_in_order(make: fn() -> Box<dyn Transport>) {
     let t = make();
     let (mut c0, mut c1) = pair(&*t);
-    // Larger than any socket buffer or ring, small and empty ones between.
+    // Larger than any socket buffer or ring, small and empty ones between,
+    // both ways at once.
     let src: Vec<u8> = (0..8u32 << 20).map(|i| (i * 7 % 251) as u8).collect();
-    let mut dst = vec![0u8; src.len()];
+    let (mut dst0, mut dst1) = (vec![0u8; src.len()], vec![0u8; src.len()]);
     let rs = t.register(src.as_ptr(), src.len()).unwrap();
-    let rd = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
-    let cuts = [0, 1, 100, 40_000, 65_536, 1 << 20, 5 << 20, src.len()];
+    let rd0 = t.register(dst0.as_mut_ptr(), dst0.len()).unwrap();
+    let rd1 = t.register(dst1.as_mut_ptr(), dst1.len()).unwrap();
+    let cuts = [
+        0,
+        1,
+        100,
+        40_000,
+        65_536,
+        1 << 20,
+        1 << 20 | 8,
+        5 << 20,
+        src.len(),
+    ];
     let mut reqs = Vec::new();
     for (i, w) in cuts.windows(2).enumerate() {
         let (at, len) = (w[0], w[1] - w[0]);
-        // SAFETY: src and dst outlive the requests and are not touched until done.
+        // SAFETY: src and the dsts outlive the requests and are not touched until done.
         unsafe {
             reqs.push((
                 c1.isend(&rs, at, len, i as u128).unwrap(),
-                c0.irecv(&rd, at, len, i as u128).unwrap(),
+                c0.irecv(&rd0, at, len, i as u128).unwrap(),
+            ));
+            reqs.push((
+                c0.isend(&rs, at, len, i as u128).unwrap(),
+                c1.irecv(&rd1, at, len, i as u128).unwrap(),
             ));
         }
     }
-    // SAFETY: as above; an empty message.
-    let empty = unsafe {
-        (
+    // SAFETY: as above; empty messages.
+    unsafe {
+        reqs.push((
             c1.isend(&rs, 0, 0, 99).unwrap(),
-            c0.irecv(&rd, 0, 0, 99).unwrap(),
-        )
-    };
-    reqs.push(empty);
+            c0.irecv(&rd0, 0, 0, 99).unwrap(),
+        ));
+        reqs.push((
+            c0.isend(&rs, 0, 0, 99).unwrap(),
+            c1.irecv(&rd1, 0, 0, 99).unwrap(),
+        ));
+    }
     drive(&mut c0, &mut c1, |a, b| {
-        reqs.iter().all(|(s, r)| b.is_done(*s) && a.is_done(*r))
+        (reqs.chunks(2)).all(|r| {
+            b.is_done(r[0].0) && a.is_done(r[0].1) && a.is_done(r[1].0) && b.is_done(r[1].1)
+        })
     })
     .unwrap();
-    assert!(src == dst);
+    assert!(src == dst0 && src == dst1);
     assert_eq!(c0.pending() + c1.pending(), 0);
 }
 
 fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
+    // Close lengths, and lengths far apart both ways (over TCP, a small and
+    // a large message travel on different streams).
+    for (sent, posted) in [(60, 64), (16, 1 << 20), (1 << 20, 16)] {
+        mismatch(make, sent, posted);
+    }
+}
+
+/// Rank 0 sends `sent` bytes where rank 1 posted a receive of `posted`.
+fn mismatch(make: fn() -> Box<dyn Transport>, sent: usize, posted: usize) {
     let t = make();
     let (mut c0, mut c1) = pair(&*t);
-    let buf = [0u8; 64];
-    let r = t.register(buf.as_ptr(), 64).unwrap();
+    let buf = vec![0u8; 1 << 20];
+    let r = t.register(buf.as_ptr(), buf.len()).unwrap();
     // SAFETY: buf outlives the requests.
     unsafe {
-        c1.isend(&r, 0, 60, 42).unwrap();
-        c0.irecv(&r, 0, 64, 42).unwrap();
+        c0.isend(&r, 0, sent, 42).unwrap();
+        c1.irecv(&r, 0, posted, 42).unwrap();
     }
     // The receiver finds out (sockets, shared memory), or the sender, when
     // it holds the receiver's grant (verbs): either names the other side.
     let err = drive(&mut c0, &mut c1, |_, _| false).unwrap_err();
     let at_receiver = matches!(
         err,
-        Error::Mismatch {
-            peer: 1,
-            expected_len: 64,
-            got_len: 60,
-            got_tag: 42,
-            ..
-        }
+        Error::Mismatch { peer: 0, expected_len, got_len, got_tag: 42, .. }
+            if expected_len == posted && got_len == sent
     );
     let at_sender = matches!(
         err,
-        Error::Mismatch {
-            peer: 0,
-            expected_len: 60,
-            got_len: 64,
-            got_tag: 42,
-            ..
-        }
+        Error::Mismatch { peer: 1, expected_len, got_len, got_tag: 42, .. }
+            if expected_len == sent && got_len == posted
     );
-    assert!(at_receiver || at_sender, "{err}");
+    assert!(
+        at_receiver || at_sender,
+        "{sent} sent, {posted} posted: {err}"
+    );
 }
 
 fn an_abort_reaches_the_peer_with_its_reason(make: fn() -> Box<dyn Transport>) {

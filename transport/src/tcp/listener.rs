@@ -20,6 +20,8 @@ pub struct TcpListener {
     address: SocketAddr,
     options: TcpOptions,
     greeting: Vec<Greeting>,
+    /// Peers whose first stream is accepted and whose second is not yet.
+    half_open: Vec<(Rank, TcpStream)>,
 }
 
 /// An accepted socket whose hello is not complete yet.
@@ -51,6 +53,7 @@ impl TcpListener {
             address,
             options,
             greeting: Vec::new(),
+            half_open: Vec::new(),
         })
     }
 
@@ -183,8 +186,18 @@ impl Listener for TcpListener {
         me: Rank,
         deadline: Instant,
     ) -> Result<(Rank, Box<dyn Connection>)> {
-        let (peer, stream) = self.accept_greeted(token, me, deadline)?;
-        Ok((peer, Box::new(TcpConnection::new(stream, peer)?)))
+        // A peer dials its two lanes in turn (see `TcpTransport::connect`).
+        loop {
+            let (peer, stream) = self.accept_greeted(token, me, deadline)?;
+            match self.half_open.iter().position(|(r, _)| *r == peer) {
+                Some(i) => {
+                    let (_, first) = self.half_open.swap_remove(i);
+                    let conn = TcpConnection::new([first, stream], false, peer)?;
+                    return Ok((peer, Box::new(conn)));
+                }
+                None => self.half_open.push((peer, stream)),
+            }
+        }
     }
 }
 

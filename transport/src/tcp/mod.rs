@@ -1,4 +1,4 @@
-//! TCP transport: one stream per peer, messages framed by a 32-byte header
+//! TCP transport: two streams per peer (see `connection`), messages framed by a 32-byte header
 //! (see `wire`), read straight into the posted buffer, written straight from
 //! the sent one. The kernel's socket buffers are the bounded staging and TCP's
 //! window is the credit: a receiver that posts no receive stops reading, its
@@ -57,8 +57,16 @@ impl Transport for TcpTransport {
         hello: Hello,
         deadline: Instant,
     ) -> Result<Box<dyn Connection>> {
-        let stream = connect_greeted(address, hello, self.options, deadline)?;
-        Ok(Box::new(TcpConnection::new(stream, hello.to)?))
+        // Two lanes (see `TcpConnection`), dialled one after the other: the
+        // second only once the first is acknowledged, so the listener
+        // tells them apart by their order (see `TcpListener::accept`).
+        let first = connect_greeted(address, hello, self.options, deadline)?;
+        let second = connect_greeted(address, hello, self.options, deadline)?;
+        Ok(Box::new(TcpConnection::new(
+            [first, second],
+            true,
+            hello.to,
+        )?))
     }
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
