@@ -48,7 +48,7 @@
 //!
 //! | | connection setup | registration | data path | back-pressure | wake-up |
 //! |---|---|---|---|---|---|
-//! | [`tcp`] | `ip:port`, hello with token | none | framed stream, read into the posted buffer | socket buffers, TCP window | socket fd |
+//! | [`tcp`] | `ip:port`, hello with token, two streams | none | framed, numbered messages read into the posted buffer; small ones share a stream, large ones take one per direction | socket buffers, TCP window | socket fds |
 //! | [`shm`] | abstract Unix socket; segment fd passed with `SCM_RIGHTS` | none | slot rings; large messages read with `process_vm_readv` | ring slots are credits | doorbell byte on the socket |
 //! | verbs (next) | QP number, GID, PSN | `ibv_reg_mr`, cached | RDMA WRITE with immediate into posted buffers | receive credits | completion channel fd |
 
