@@ -188,7 +188,20 @@ impl Listener for TcpListener {
     ) -> Result<(Rank, Box<dyn Connection>)> {
         // A peer dials its two lanes in turn (see `TcpTransport::connect`).
         loop {
-            let (peer, stream) = self.accept_greeted(token, me, deadline)?;
+            let (peer, stream) =
+                self.accept_greeted(token, me, deadline).map_err(|e| {
+                    match self.half_open.first() {
+                        Some(&(peer, _)) => Error::io(
+                            Some(peer),
+                            "accept",
+                            &std::io::Error::new(
+                                ErrorKind::TimedOut,
+                                "it dialled the first of its two streams, not the second",
+                            ),
+                        ),
+                        None => e,
+                    }
+                })?;
             match self.half_open.iter().position(|(r, _)| *r == peer) {
                 Some(i) => {
                     let (_, first) = self.half_open.swap_remove(i);
