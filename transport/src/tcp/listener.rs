@@ -241,3 +241,28 @@ impl TcpListener {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Hello;
+
+    #[test]
+    fn a_peer_with_one_of_two_streams_is_named() {
+        let mut listener = TcpListener::bind([127, 0, 0, 1].into(), TcpOptions::default()).unwrap();
+        let mut first = TcpStream::connect(listener.local_addr()).unwrap();
+        let hello = Hello {
+            token: 7,
+            from: 3,
+            to: 0,
+        };
+        first.write_all(&wire::encode_hello(&hello)).unwrap();
+        let deadline = Instant::now() + Duration::from_millis(300);
+        let err = match listener.accept(7, 0, deadline) {
+            Err(e) => e,
+            Ok((peer, _)) => panic!("accepted rank {peer} on one stream"),
+        };
+        assert_eq!(err.peer(), Some(3), "{err}");
+        assert!(err.to_string().contains("not the second"), "{err}");
+    }
+}
