@@ -595,3 +595,33 @@ fn elastic_job(seed: u64, n: usize, transport: &str) {
         assert_all_gone(&r);
     }
 }
+
+/// A low open-files limit: a soft one is raised to the hard one so the TCP
+/// connections fit; a hard one too low is an error that says so.
+#[test]
+fn the_open_files_limit_is_raised_or_named() {
+    let under = |limits: &str| {
+        let script = format!(
+            "ulimit {limits} && exec {} --ranks 8 pingpong 3",
+            worker().display()
+        );
+        let env = [("COLL_TIMEOUT", "20"), ("COLL_TRANSPORT", "tcp")];
+        run(
+            Path::new("/bin/sh"),
+            &["-c", &script],
+            &env,
+            Duration::from_secs(60),
+        )
+    };
+    let r = under("-Sn 20");
+    assert!(r.ok, "{}", r.stderr);
+    let r = under("-n 50");
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains("open files for its connections, and the hard limit is 50"),
+        "{}",
+        r.stderr
+    );
+    assert!(r.elapsed < Duration::from_secs(20), "took {:?}", r.elapsed);
+}

@@ -134,6 +134,11 @@ pub(crate) fn connect(
             Ok(available.iter().position(|t| t.name() == name))
         })
         .collect::<Result<_, String>>()?;
+    let streams = plan.iter().flatten().map(|&t| match available[t].name() {
+        "tcp" => 2,
+        _ => 1,
+    });
+    make_room_for(LANES as u64 * streams.sum::<u64>())?;
     let acceptors = spawn_acceptors(listeners, rank, &plan, table.session, deadline);
     let mut lanes: [Conns; LANES] =
         std::array::from_fn(|_| (0..plan.len()).map(|_| None).collect());
@@ -180,6 +185,38 @@ pub(crate) fn connect(
         used = available.to_vec();
     }
     Ok(Mesh { lanes, via, used })
+}
+
+/// Raises the soft limit on open descriptors to the hard one if `needed`
+/// more (one per shared-memory or verbs connection, two per TCP one) would
+/// not fit under it: Linux starts processes at 1024, which a TCP job of 256
+/// ranks needs for its connections alone. Fails, saying so, where even the
+/// hard limit is too low.
+fn make_room_for(needed: u64) -> Result<(), String> {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    // Besides the connections: listeners, shared segments, the std streams.
+    let needed = needed + 32;
+    let limit = getrlimit(Resource::Nofile);
+    let (soft, hard) = (
+        limit.current.unwrap_or(u64::MAX),
+        limit.maximum.unwrap_or(u64::MAX),
+    );
+    if soft >= needed {
+        return Ok(());
+    }
+    if hard < needed {
+        return Err(format!(
+            "this rank needs about {needed} open files for its connections, and the hard \
+             limit is {hard}: raise it (ulimit -Hn, LimitNOFILE= for a service, \
+             --ulimit nofile= for a container)"
+        ));
+    }
+    let raised = rustix::process::Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    setrlimit(Resource::Nofile, raised)
+        .map_err(|e| format!("could not raise the open files limit from {soft} to {hard}: {e}"))
 }
 
 fn has_verbs(p: &crate::bootstrap::rendezvous::PeerInfo) -> bool {
