@@ -8,7 +8,7 @@ use std::time::Instant;
 use transport::{Listener, Rank, RegistrationCache, Transport};
 
 use crate::abort::{AbortFlag, AbortHandle};
-use crate::algo::Algorithm;
+use crate::algo::{Algorithm, Topology};
 use crate::args::{CallArgs, Peer};
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::bootstrap::{self, Bootstrap};
@@ -206,10 +206,14 @@ impl Communicator {
             per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
             transport: mesh::summary(&mesh.via),
         };
+        let topology = Topology {
+            hosts: hosts.clone(),
+            crowded_sockets: crate::cpus::crowded_sockets(&config.transport, &table.peers, &hosts),
+        };
         let tiny = crate::tiny::State::initial(config.tiny_bytes, &mesh.via);
         let comm = Communicator {
             tiny,
-            selector: Selector::new(rank, hosts.clone(), setting),
+            selector: Selector::new(rank, topology, setting),
             rank,
             size,
             hosts,

@@ -10,7 +10,9 @@
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use transport::Poller;
+use transport::{Poller, Rank};
+
+use crate::bootstrap::rendezvous::PeerInfo;
 
 /// Whether `local_ranks` ranks on this host outnumber its cores.
 pub(crate) fn oversubscribed(local_ranks: usize) -> bool {
@@ -30,6 +32,15 @@ pub(crate) fn spin(local_ranks: usize) -> Duration {
         (false, true) => Poller::DEFAULT_PATIENCE,
         (false, false) => Poller::DEFAULT_SPIN,
     }
+}
+
+/// Whether every message goes over TCP on one host whose ranks outnumber
+/// its cores ([`Topology::crowded_sockets`](crate::algo::Topology)): decided
+/// from what every rank published (`transport` is a setting they share), so
+/// that all pick the same algorithms.
+pub(crate) fn crowded_sockets(transport: &str, peers: &[PeerInfo], hosts: &[Vec<Rank>]) -> bool {
+    let cores = peers.iter().map(|p| p.cores).min().unwrap_or(0);
+    transport == "tcp" && hosts.len() == 1 && peers.len() > cores
 }
 
 /// The cores this job's ranks on this host may use (read once).
@@ -89,5 +100,25 @@ mod tests {
         assert_eq!(count_list(""), None);
         assert_eq!(count_list("3-1"), None);
         assert!(host_cores() >= 1);
+    }
+
+    #[test]
+    fn sockets_are_crowded_when_a_host_has_more_ranks_than_its_least_cores() {
+        let peer = |rank, host: &str, cores| PeerInfo {
+            rank,
+            hostname: host.into(),
+            host_id: host.into(),
+            pid: 1,
+            cores,
+            addresses: Default::default(),
+            settings: String::new(),
+        };
+        let one_host = [peer(0, "a", 4), peer(1, "a", 4), peer(2, "a", 2)];
+        let hosts = [vec![0, 1, 2]];
+        assert!(crowded_sockets("tcp", &one_host, &hosts));
+        assert!(!crowded_sockets("auto", &one_host, &hosts));
+        assert!(!crowded_sockets("tcp", &one_host[..2], &[vec![0, 1]]));
+        let two_hosts = [peer(0, "a", 1), peer(1, "a", 1), peer(2, "b", 1)];
+        assert!(!crowded_sockets("tcp", &two_hosts, &[vec![0, 1], vec![2]]));
     }
 }

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use transport::Rank;
 
-use crate::algo::{self, Algorithm};
+use crate::algo::{self, Algorithm, Topology};
 use crate::simulate::{self, Cluster, Pipeline};
 use crate::tuning::{Profile, Setting};
 use crate::{Collective, Config, Error, Result};
@@ -22,7 +22,7 @@ const PROFILE_MARGIN: f64 = 1.10;
 pub(crate) struct Selector {
     rank: Rank,
     size: usize,
-    hosts: Vec<Vec<Rank>>,
+    topology: Topology,
     setting: Setting,
     /// Measured algorithm costs: the profile's lines for this setting (may be none).
     profile: Profile,
@@ -39,12 +39,12 @@ pub(crate) struct Selector {
 type Unprofiled = (Collective, usize, Pipeline);
 
 impl Selector {
-    pub fn new(rank: Rank, hosts: Vec<Vec<Rank>>, setting: Setting) -> Self {
+    pub fn new(rank: Rank, topology: Topology, setting: Setting) -> Self {
         let profile = load_profile(rank).only(&setting);
         Selector {
             rank,
             size: setting.ranks,
-            hosts,
+            topology,
             setting,
             profile,
             choices: Vec::new(),
@@ -107,7 +107,7 @@ impl Selector {
             let (algo, why) = self.unprofiled(config, collective, bytes);
             return Ok((algo, why.to_string()));
         };
-        let (built_in, why) = algo::select(collective, bytes, self.size, &self.hosts);
+        let (built_in, why) = algo::select(collective, bytes, &self.topology);
         // The profile overrides the built-in choice only for a predicted gain
         // above measurement noise (one tuning run on a busy host is not exact).
         let built_in_us = (self.profile)
@@ -138,8 +138,10 @@ impl Selector {
         bytes: usize,
     ) -> (&'static Algorithm, Arc<str>) {
         let (n, per_host) = (self.size, self.setting.per_host);
-        if n < algo::SCALE_MIN_RANKS || Cluster::roce(n, per_host).host_ranks() != self.hosts {
-            let (algo, why) = algo::select(collective, bytes, n, &self.hosts);
+        if n < algo::SCALE_MIN_RANKS
+            || Cluster::roce(n, per_host).host_ranks() != self.topology.hosts
+        {
+            let (algo, why) = algo::select(collective, bytes, &self.topology);
             return (algo, why.into());
         }
         let pipeline = Pipeline {

@@ -266,16 +266,68 @@ pub const BINOMIAL_MAX_BYTES: usize = 1 << 20;
 pub const DIRECT_ALLGATHER_MIN_RANKS: usize = 8;
 pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 
+/// What the built-in thresholds know of a job besides the call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Topology {
+    /// Ranks by host, each host's in rank order.
+    pub hosts: Vec<Vec<usize>>,
+    /// Every message goes over TCP, on one host whose ranks outnumber its
+    /// cores: each costs system calls on both sides and, as often as not,
+    /// a context switch, so the algorithms that send fewer messages win
+    /// (see [`CROWDED_TREE_MAX_BYTES`]).
+    pub crowded_sockets: bool,
+}
+
+impl Topology {
+    /// Ranks spread over `hosts`, messages not crowded onto sockets.
+    pub fn new(hosts: Vec<Vec<usize>>) -> Self {
+        Topology {
+            hosts,
+            crowded_sockets: false,
+        }
+    }
+
+    pub fn size(&self) -> usize {
+        self.hosts.iter().map(Vec::len).sum()
+    }
+}
+
+/// With [`Topology::crowded_sockets`], AllReduces of 3 or more ranks up to
+/// this size take the double binary tree, and AllToAlls of 4 or more with
+/// blocks up to [`CROWDED_BRUCK_MAX_BLOCK_BYTES`] Bruck's algorithm: each
+/// sends fewer messages than direct (n-1 per rank), the ring (2(n-1)) or
+/// pairwise (n-1). Over loopback TCP on 2 cores (`collbench --algo`, paired
+/// time ratios, 5 rounds): AllReduce tree / direct 0.93 / 0.72 / 0.71 /
+/// 0.75 at 8 B / 1 / 8 / 16 KiB on 4 ranks, 0.55 and 0.43 at 8 B and 48 KiB
+/// on 6, 0.90 and 0.67 at 8 B and 192 KiB on 3; tree / ring 0.54 / 0.83 /
+/// 1.43 at 64 / 256 / 512 KiB on 4 ranks, 0.30 / 0.62 at 64 / 256 KiB on 8
+/// (where 8 B went direct: 0.52x its time). AllToAll Bruck / pairwise
+/// 0.71 / 0.75 / 0.75 at 1 / 16 / 64 KiB on 4 ranks (16 KiB blocks), 1.6
+/// at 256 KiB; 0.50 / 0.67 at 1 / 64 KiB on 8, 0.83 at 48 KiB on 6; no gain
+/// on 3 (as many rounds as peers). Over shared memory the ring stays ahead
+/// (4 ranks, 128 KiB: the tree 2.3x its time).
+pub const CROWDED_TREE_MAX_BYTES: usize = 256 << 10;
+pub const CROWDED_BRUCK_MAX_BLOCK_BYTES: usize = 16 << 10;
+
 /// The algorithm the selector picks for a call of `bytes` per rank on
-/// `size` ranks, and why.
+/// `topology`, and why.
 pub(crate) fn select(
     collective: Collective,
     bytes: usize,
-    size: usize,
-    hosts: &[Vec<usize>],
+    topology: &Topology,
 ) -> (&'static Algorithm, &'static str) {
     use Collective::*;
+    let (size, hosts) = (topology.size(), &topology.hosts[..]);
+    let crowded = topology.crowded_sockets;
     match collective {
+        AllReduce if crowded && size >= 3 && bytes <= CROWDED_TREE_MAX_BYTES => (
+            &tree::ALLREDUCE,
+            "every message a system call and a context switch: the tree sends the fewest",
+        ),
+        AllToAll if crowded && size >= 4 && bytes / size <= CROWDED_BRUCK_MAX_BLOCK_BYTES => (
+            &bruck::ALLTOALL,
+            "every message a system call and a context switch: log2(n) packed messages beat n-1",
+        ),
         AllReduce if size >= SCALE_MIN_RANKS => at_scale(bytes, hosts),
         AllReduce if hierarchical::applies(hosts) && bytes >= HIERARCHICAL_MIN_BYTES => (
             &hierarchical::ALLREDUCE,
@@ -395,4 +447,35 @@ pub(crate) fn default_for(collective: Collective) -> &'static Algorithm {
         .iter()
         .find(|a| a.collective == collective)
         .expect("every collective has an algorithm")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Collective::*;
+
+    #[test]
+    fn crowded_sockets_take_the_algorithms_that_send_fewest_messages() {
+        let one_host = |n: usize| Topology::new(vec![(0..n).collect()]);
+        let crowded = |n| Topology {
+            crowded_sockets: true,
+            ..one_host(n)
+        };
+        let pick = |c, bytes, t: Topology| select(c, bytes, &t).0.name;
+        assert_eq!(pick(AllReduce, 8, one_host(4)), "direct");
+        assert_eq!(pick(AllReduce, 8, crowded(4)), "tree");
+        assert_eq!(pick(AllReduce, 64 << 10, one_host(4)), "ring");
+        assert_eq!(pick(AllReduce, CROWDED_TREE_MAX_BYTES, crowded(3)), "tree");
+        assert_eq!(
+            pick(AllReduce, 2 * CROWDED_TREE_MAX_BYTES, crowded(4)),
+            "rabenseifner"
+        );
+        // Two ranks send one message each way whichever runs.
+        assert_eq!(pick(AllReduce, 8, crowded(2)), "direct");
+        assert_eq!(pick(AllToAll, 64 << 10, one_host(4)), "pairwise");
+        assert_eq!(pick(AllToAll, 64 << 10, crowded(4)), "bruck");
+        assert_eq!(pick(AllToAll, 128 << 10, crowded(4)), "pairwise");
+        // Three ranks: Bruck's two rounds are as many as the peers.
+        assert_eq!(pick(AllToAll, 3 << 10, crowded(3)), "pairwise");
+    }
 }

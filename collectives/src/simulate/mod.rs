@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 pub use engine::Status;
 pub use model::{Cluster, Link};
 
-use crate::algo::{self, Algorithm, Layout};
+use crate::algo::{self, Algorithm, Layout, Topology};
 use crate::executor::{Execution, Windows};
 use crate::schedule::Schedule;
 use crate::{Collective, DataType};
@@ -295,7 +295,7 @@ pub fn choice(
     bytes: usize,
     pipeline: Pipeline,
 ) -> (&'static Algorithm, String) {
-    let (table, why) = algo::select(collective, bytes, cluster.ranks, &cluster.host_ranks());
+    let (table, why) = algo::select(collective, bytes, &Topology::new(cluster.host_ranks()));
     let modelled = matches!(collective, Collective::AllReduce | Collective::AllToAll);
     if cluster.ranks < algo::SCALE_MIN_RANKS || !modelled {
         return (table, why.to_string());

@@ -124,8 +124,7 @@ fn without_a_profile_many_ranks_get_the_simulators_fastest() {
     let (a, _) = algo::select(
         Collective::AllReduce,
         8,
-        16,
-        &Cluster::roce(16, 8).host_ranks(),
+        &Topology::new(Cluster::roce(16, 8).host_ranks()),
     );
     assert_eq!(pick(16, 8).0, a.name);
     // Too large to simulate while choosing: the table, saying so.
@@ -134,8 +133,7 @@ fn without_a_profile_many_ranks_get_the_simulators_fastest() {
     let table = algo::select(
         Collective::AllReduce,
         1 << 30,
-        4096,
-        &Cluster::roce(4096, 8).host_ranks(),
+        &Topology::new(Cluster::roce(4096, 8).host_ranks()),
     );
     assert_eq!(name, table.0.name);
     // AllToAll on many ranks: Bruck for tiny blocks, as the table says.
