@@ -17,7 +17,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_DEPTH` | chunks in flight per peer and direction | 4 |
 /// | `COLL_ALGO` | force an algorithm, e.g. `ring` or `allreduce=ring,alltoall=pairwise` | selector |
 /// | `COLL_TRANSPORT` | `auto` (shm within a host; verbs, else tcp, between hosts), `tcp`, `shm`, `verbs` | auto |
-/// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned |
+/// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned; the send buffer 512 KiB to a peer on the same host |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
 /// | `COLL_TINY` | small calls (AllReduce, Reduce, ReduceScatter, AllGather, AllToAll, Broadcast; up to this many bytes) and barriers among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never; at most 1M) | 64K |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
