@@ -129,8 +129,9 @@ impl Selector {
     }
 
     /// The choice without a profile: the built-in thresholds, or on many
-    /// ranks numbered host by host (as the simulator numbers them) the
-    /// simulator's ([`simulate::unprofiled_choice`]), once per power of two.
+    /// ranks numbered host by host (as the simulator numbers them) and not
+    /// crowded onto sockets the simulator's
+    /// ([`simulate::unprofiled_choice`]), once per power of two.
     fn unprofiled(
         &self,
         config: &Config,
@@ -139,6 +140,7 @@ impl Selector {
     ) -> (&'static Algorithm, Arc<str>) {
         let (n, per_host) = (self.size, self.setting.per_host);
         if n < algo::SCALE_MIN_RANKS
+            || self.topology.crowded_sockets
             || Cluster::roce(n, per_host).host_ranks() != self.topology.hosts
         {
             let (algo, why) = algo::select(collective, bytes, &self.topology);
