@@ -12,8 +12,9 @@
 //! both ends need now); a step waits for its `after` step before it touches
 //! its span; a staged receive's action (reduce or copy) runs as soon as it
 //! landed and its `after` is done, so the receive of chunk k+1 overlaps the
-//! reduction of chunk k; local copies run once the first sends are out, so
-//! peers start reading while this rank copies its own block.
+//! reduction of chunk k; local copies start once the first sends are out
+//! and go a piece per step, so peers start reading while this rank copies
+//! its own block and find the sends behind the first window posted too.
 
 use transport::{Rank, Tag};
 
@@ -134,9 +135,16 @@ pub(crate) struct Execution<T> {
     staged: Vec<u32>,
     next_staged: usize,
     remaining: usize,
-    copied: bool,
+    /// The next copy of `Schedule::copies` and the bytes of it done.
+    copy_at: (usize, usize),
     windows: Windows,
 }
+
+/// Bytes of the schedule's local copies done per [`progress`](Execution::progress)
+/// step. Done in one go, a root's copy of its 256 MiB Broadcast input held
+/// up its sends beyond the first window for the copy's 25 ms, and its peer
+/// read nothing meanwhile: 2 ranks took the copy's time plus the transfer's.
+pub(crate) const COPY_PIECE: usize = 256 << 10;
 
 impl<T> Default for Execution<T> {
     fn default() -> Self {
@@ -152,7 +160,7 @@ impl<T> Default for Execution<T> {
             staged: Vec::new(),
             next_staged: 0,
             remaining: 0,
-            copied: false,
+            copy_at: (0, 0),
             windows: Windows {
                 sends: 1,
                 recvs: 1,
@@ -182,8 +190,8 @@ impl<T: Copy> Execution<T> {
                 .filter(|&id| matches!(steps[id as StepId].kind, Kind::Staged(_))),
         );
         self.next_staged = 0;
-        self.remaining = steps.len();
-        self.copied = false;
+        self.remaining = steps.len() + sched.copies.len();
+        self.copy_at = (0, 0);
     }
 
     /// Frees what only [`start`](Self::start) uses (a table of one entry
@@ -265,12 +273,7 @@ impl<T: Copy> Execution<T> {
             moved |= self.post_ready(qi, sched, fx)?;
         }
         moved |= fx.progress(&self.involved)?;
-        if !self.copied {
-            for &(from, to) in &sched.copies {
-                fx.copy(from, to);
-            }
-            self.copied = true;
-        }
+        moved |= self.copy_piece(sched, fx);
         for qi in 0..self.queues.len() {
             moved |= self.complete_ready(qi, sched, fx)?;
         }
@@ -369,6 +372,28 @@ impl<T: Copy> Execution<T> {
             self.queues[qi].done += 1;
         }
         Ok(moved)
+    }
+
+    /// Copies the next [`COPY_PIECE`] bytes of the schedule's local copies.
+    fn copy_piece<E: Effects<Token = T>>(&mut self, sched: &Schedule, fx: &mut E) -> bool {
+        let (i, done) = self.copy_at;
+        let Some(&(from, to)) = sched.copies.get(i) else {
+            return false;
+        };
+        let len = COPY_PIECE.min(from.len - done);
+        let piece = |s: Span| Span {
+            offset: s.offset + done,
+            len,
+            ..s
+        };
+        fx.copy(piece(from), piece(to));
+        self.copy_at = if done + len == from.len {
+            self.remaining -= 1;
+            (i + 1, 0)
+        } else {
+            (i, done + len)
+        };
+        true
     }
 
     /// Applies the local steps whose turn has come, in schedule order.

@@ -99,8 +99,9 @@ impl Step {
 #[derive(Debug, Default)]
 pub(crate) struct Schedule {
     pub(crate) steps: Vec<Step>,
-    /// Local copies `(from, to)`, done once the first steps are posted; no
-    /// receive may target their spans.
+    /// Local copies `(from, to)`, started once the first steps are posted and
+    /// done a piece per executor step; no step may read or write their
+    /// `to` spans.
     pub(crate) copies: Vec<(Span, Span)>,
     /// Tags of messages that carry their own (AllToAllv pairs and
     /// point-to-point messages carry their own counts).
