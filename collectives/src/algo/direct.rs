@@ -8,6 +8,11 @@
 //! flight (in the pairwise exchange's order). Each rank sends its block n-1
 //! times where the ring forwards n-1 blocks once: the same bytes received,
 //! but no block waits for another rank to pass it on.
+//!
+//! Direct Broadcast: the root sends every chunk to every other rank. The
+//! root's memory is read n-1 times where the chain reads each rank's once,
+//! but no chunk waits for a rank to be scheduled to pass it on: on one host
+//! whose ranks outnumber its cores, each chain hop waits for one.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Action, Buf, Schedule, Span, StepId};
@@ -28,6 +33,40 @@ pub(super) const ALLGATHER: Algorithm = Algorithm {
     in_place: true,
     build: all_gather,
 };
+
+pub(super) const BROADCAST: Algorithm = Algorithm {
+    name: "direct",
+    collective: Collective::Broadcast,
+    summary: "the root sends every chunk to every other rank; no chunk waits to be forwarded",
+    in_place: true,
+    build: broadcast,
+};
+
+fn broadcast(l: &Layout, s: &mut Schedule) {
+    let (n, r) = (l.size, l.rank);
+    let all = (0, l.count * l.elem);
+    if r != l.root {
+        for c in l.chunks(Buf::Output, all) {
+            s.recv(l.root, c, None);
+        }
+        return;
+    }
+    if !l.in_place {
+        let whole = |buf| Span {
+            buf,
+            offset: 0,
+            len: all.1,
+        };
+        s.copy(whole(Buf::Input), whole(Buf::Output));
+    }
+    // Peers in turn from the root's successor, so each starts reading at
+    // once and none is always served last.
+    for p in (1..n).map(|d| (r + d) % n) {
+        for c in l.chunks(l.input(), all) {
+            s.send(p, c, None);
+        }
+    }
+}
 
 fn build(l: &Layout, s: &mut Schedule) {
     let (n, r) = (l.size, l.rank);
