@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
-place), its quartiles and the median of the per-round ratios to BIN_A. This
+place; --ip: in place), its quartiles and the median of the per-round ratios to BIN_A. This
 machine's speed drifts by 1.5-2x from minute to minute (see
 ci/linepingpong.c); runs next to each other in time see the same drift, so
 the paired ratio says more than two medians taken apart. A BIN named "mpi"
@@ -29,7 +29,7 @@ def in_bytes(size):
     return str(int(size[:-1]) * units[size[-1]]) if size[-1] in units else size
 
 
-def run(binary, coll, ranks, size, iters, fresh, tcp):
+def run(binary, coll, ranks, size, iters, fresh, tcp, ip):
     if binary == "mpi":
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
@@ -37,7 +37,7 @@ def run(binary, coll, ranks, size, iters, fresh, tcp):
         out = subprocess.run(["mpirun.openmpi", "-n", ranks] + btl + ["target/compare/mpibench"]
                              + ["--fresh"] * fresh + [coll, in_bytes(size)],
                              capture_output=True, text=True, env=env, check=True).stdout
-        return float(out.strip().splitlines()[-1].split()[2])
+        return float(out.strip().splitlines()[-1].split()[5 if ip else 2])
     *settings, binary = binary.split(":")
     env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
     if tcp:
@@ -48,7 +48,7 @@ def run(binary, coll, ranks, size, iters, fresh, tcp):
     if fresh:
         cmd.append("--fresh")
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env).stdout
-    return json.loads(out)["rows"][0]["out_of_place"]["time_us"]
+    return json.loads(out)["rows"][0]["in_place" if ip else "out_of_place"]["time_us"]
 
 
 def main():
@@ -64,13 +64,16 @@ def main():
     tcp = "--tcp" in args
     if tcp:
         args.remove("--tcp")
+    ip = "--ip" in args
+    if ip:
+        args.remove("--ip")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     times = {b: [] for b in bins}
     for r in range(rounds):
         for b in bins if r % 2 == 0 else bins[::-1]:
-            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp))
+            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip))
     base = times[bins[0]]
     for b in bins:
         t = times[b]

@@ -75,11 +75,13 @@ static void rewrite(float *p, size_t floats) {
 
 /* collbench's sizes: `count` is the larger buffer's (the input of
  * reducescatter, the output of allgather); root 0; in place, the data
- * starts and ends in `recv` (MPI_IN_PLACE; broadcast is always in place). */
+ * starts and ends in `recv` (MPI_IN_PLACE). MPI_Bcast has one buffer: out
+ * of place, the root copies `send` into `recv` first (memcpy), as an MPI
+ * program must to end with collbench's out-of-place result. */
 static void call(enum coll c, float *send, float *recv, size_t count, int in_place) {
     int block = (int)(count / nranks), n = (int)count;
     if (fresh) {
-        if (in_place || c == BROADCAST) rewrite(recv, count);
+        if (in_place || (c == BROADCAST && rank != 0)) rewrite(recv, count);
         else rewrite(send, c == ALLGATHER ? count / nranks : count);
     }
     void *in = in_place ? MPI_IN_PLACE : send;
@@ -88,7 +90,10 @@ static void call(enum coll c, float *send, float *recv, size_t count, int in_pla
     case ALLTOALL: MPI_Alltoall(in, block, MPI_FLOAT, recv, block, MPI_FLOAT, MPI_COMM_WORLD); break;
     case REDUCESCATTER: MPI_Reduce_scatter_block(in, recv, block, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); break;
     case ALLGATHER: MPI_Allgather(in, block, MPI_FLOAT, recv, block, MPI_FLOAT, MPI_COMM_WORLD); break;
-    case BROADCAST: MPI_Bcast(recv, n, MPI_FLOAT, 0, MPI_COMM_WORLD); break;
+    case BROADCAST:
+        if (!in_place && rank == 0) memcpy(recv, send, count * sizeof(float));
+        MPI_Bcast(recv, n, MPI_FLOAT, 0, MPI_COMM_WORLD);
+        break;
     case REDUCE:
         MPI_Reduce(in_place && rank != 0 ? recv : in, recv, n, MPI_FLOAT, MPI_SUM, 0, MPI_COMM_WORLD);
         break;
@@ -107,7 +112,7 @@ static long check(enum coll c, float *send, float *recv, size_t count, int in_pl
         float *own = in_place ? recv + rank * block : send;
         for (size_t i = 0; i < block; i++) own[i] = input(rank, i);
     } else if (c == BROADCAST) {
-        for (size_t i = 0; rank == 0 && i < count; i++) recv[i] = input(0, i);
+        for (size_t i = 0; rank == 0 && i < count; i++) in[i] = input(0, i);
     } else {
         for (size_t i = 0; i < count; i++) in[i] = input(rank, i);
     }
