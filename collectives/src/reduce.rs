@@ -168,8 +168,27 @@ macro_rules! native_float {
 }
 native_float!(f32, f64);
 
-/// `dst = dst op src`, or `dst = a op src` when `a` is given.
+/// `dst = dst op src`, or `dst = a op src` when `a` is given: in 32-byte
+/// vectors where the CPU has AVX2 (the baseline build's SSE2 loop did 47
+/// GiB/s of f32 sums in cache, half of memcpy's rate).
 fn native<T: Native>(op: ReduceOp, dst: &mut [T], src: &[T], a: Option<&[T]>) {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { native_avx2(op, dst, src, a) };
+    }
+    native_loop(op, dst, src, a)
+}
+
+/// [`native_loop`] compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn native_avx2<T: Native>(op: ReduceOp, dst: &mut [T], src: &[T], a: Option<&[T]>) {
+    native_loop(op, dst, src, a)
+}
+
+#[inline(always)]
+fn native_loop<T: Native>(op: ReduceOp, dst: &mut [T], src: &[T], a: Option<&[T]>) {
     match op {
         ReduceOp::Sum | ReduceOp::Avg => zip(dst, src, a, T::add),
         ReduceOp::Prod => zip(dst, src, a, T::mul),
