@@ -530,6 +530,8 @@ mod tests {
     struct Log {
         posted: Vec<(Rank, bool, Option<usize>)>,
         applied: Vec<(usize, Option<usize>)>,
+        /// `(offset, len, sends posted so far)` of each local copy.
+        copied: Vec<(usize, usize, usize)>,
         round: usize,
         pending: Vec<(usize, usize)>,
     }
@@ -563,7 +565,10 @@ mod tests {
             };
             self.applied.push((span.offset, slot));
         }
-        fn copy(&mut self, _: Span, _: Span) {}
+        fn copy(&mut self, from: Span, to: Span) {
+            assert_eq!((from.offset, from.len), (to.offset, to.len));
+            self.copied.push((to.offset, to.len, self.posted.len()));
+        }
     }
 
     fn span(offset: usize) -> Span {
@@ -607,5 +612,43 @@ mod tests {
         assert!(fx.posted[..3].iter().all(|p| p.2 == Some(0)));
         assert_eq!(fx.applied, [(0, Some(0)), (8, Some(0)), (16, Some(0))]);
         assert!(e.waiting_on(&s).is_none());
+    }
+
+    #[test]
+    fn a_large_copy_goes_a_piece_a_step_while_sends_keep_being_posted() {
+        // A Broadcast root out of place: its whole buffer copied, and eight
+        // chunk sends with a window of two.
+        let len = 3 * COPY_PIECE + 8;
+        let mut s = Schedule::default();
+        let whole = |buf| Span {
+            buf,
+            offset: 0,
+            len,
+        };
+        s.copy(whole(Buf::Input), whole(Buf::Output));
+        for k in 0..8 {
+            s.send(1, span(8 * k), None);
+        }
+        let mut e = Execution::default();
+        let windows = Windows {
+            sends: 2,
+            recvs: 2,
+            slots: 0,
+        };
+        e.start(&s, 2, windows);
+        let mut fx = Log::default();
+        let mut steps = 0;
+        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
+            steps += 1;
+            assert!(steps < 100, "never finished");
+        }
+        let pieces: Vec<_> = fx.copied.iter().map(|&(o, l, _)| (o, l)).collect();
+        let p = COPY_PIECE;
+        assert_eq!(pieces, [(0, p), (p, p), (2 * p, p), (3 * p, 8)]);
+        // Each piece waits for the step's posts, and sends beyond the first
+        // window go out between the pieces, not after the last.
+        let posted: Vec<_> = fx.copied.iter().map(|c| c.2).collect();
+        assert_eq!(posted[0], 2);
+        assert!(posted[3] > 2, "no send posted while copying: {posted:?}");
     }
 }
