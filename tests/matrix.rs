@@ -55,7 +55,10 @@ const TREE: (&str, &str) = (
     "allreduce=tree,broadcast=binomial,reduce=binomial",
 );
 
-const LOG_ROUNDS: (&str, &str) = ("COLL_ALGO", "allreduce=rabenseifner,alltoall=bruck");
+const LOG_ROUNDS: (&str, &str) = (
+    "COLL_ALGO",
+    "allreduce=rabenseifner,alltoall=bruck,reduce=ring",
+);
 
 #[test]
 fn one_rank() {

@@ -215,6 +215,7 @@ pub static ALGORITHMS: &[Algorithm] = &[
     direct::BROADCAST,
     chain::REDUCE,
     binomial::REDUCE,
+    ring::REDUCE,
 ];
 
 /// AllReduce sizes up to this many bytes go direct (one step) rather than

@@ -1,5 +1,6 @@
 //! Ring algorithms: AllReduce as reduce-scatter then all-gather around the
-//! ring, and those two phases on their own as ReduceScatter and AllGather.
+//! ring, and those two phases on their own as ReduceScatter and AllGather;
+//! Reduce as reduce-scatter then every block straight to the root.
 //! Each step's block is cut into chunks, so a chunk moves on as soon as it
 //! is reduced. The phases run on any [`Ring`] (a group of ranks and a byte
 //! range), which is how the hierarchical AllReduce reuses them.
@@ -37,6 +38,14 @@ pub(super) const ALLGATHER: Algorithm = Algorithm {
     summary: "n-1 steps around a ring, each forwarding the block just received; bandwidth-optimal",
     in_place: true,
     build: all_gather,
+};
+
+pub(super) const REDUCE: Algorithm = Algorithm {
+    name: "ring",
+    collective: Collective::Reduce,
+    summary: "reduce-scatter around a ring, then every rank sends its reduced block to the root; each rank reduces 1/n",
+    in_place: true,
+    build: reduce,
 };
 
 /// A ring: `members` in ring order (this rank at `me`), over the byte range
@@ -126,6 +135,37 @@ fn reduce_scatter(l: &Layout, s: &mut Schedule) {
     }
     let ring = Ring::world(l);
     reduce_scatter_phase(l, s, &ring, 0, Contribution::input(l), true);
+}
+
+/// Every rank ends the reduce-scatter owning its block r, reduced in its
+/// output, and sends it to the root; the root receives each into its place
+/// once its own reduce-scatter sends have read that block. The chain has
+/// the root copy and reduce the whole buffer; here each rank reduces 1/n of
+/// it and the root copies the other (n-1)/n in once more: less work for the
+/// root at 2 ranks (1.5 buffers moved or reduced against 2), more from 4.
+/// Not a built-in pick: 2 ranks idle took 0.82-0.91x the chain's time at 1-16
+/// MiB, but with a busy loop on the non-root's core 1.14-1.59x (that rank now
+/// reduces half); a profile (`collbench tune`) takes it where it measures faster.
+fn reduce(l: &Layout, s: &mut Schedule) {
+    let (n, r, root) = (l.size, l.rank, l.root);
+    if n == 1 {
+        return copy_all(l, s);
+    }
+    let ring = Ring::world(l);
+    let rs = reduce_scatter_phase(l, s, &ring, 0, Contribution::input(l), true);
+    if r != root {
+        for (k, c) in l.chunks(Buf::Output, ring.block(l, r)).enumerate() {
+            s.send(root, c, Some(rs.finals[k]));
+        }
+        return;
+    }
+    for p in (0..n).filter(|&p| p != root) {
+        // The reduce-scatter step at which this rank sent block p.
+        let t = (root + 2 * n - 1 - p) % n;
+        for (k, c) in l.chunks(Buf::Output, ring.block(l, p)).enumerate() {
+            s.recv(p, c, Some(rs.sends[t][k]));
+        }
+    }
 }
 
 fn all_gather(l: &Layout, s: &mut Schedule) {
