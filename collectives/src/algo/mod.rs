@@ -257,15 +257,17 @@ pub const BRUCK_MAX_BLOCK_BYTES: usize = 1 << 10;
 /// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
 pub const BINOMIAL_MAX_BYTES: usize = 1 << 20;
 
-/// AllGathers on one host of this many ranks or more, with blocks of at
-/// least [`DIRECT_ALLGATHER_MIN_BLOCK`], go direct: the ring's blocks each
-/// wait n-1 hops, which on an oversubscribed host means n-1 ranks scheduled
-/// in turn (shared memory, 2 cores, `collbench allgather --algo --fresh`,
-/// paired time ratios direct / ring, 6-8 rounds: 8 ranks 0.89 / 0.84 / 0.91
-/// / 0.73 / 0.84 at 512 KiB / 1 / 2 / 4 / 16 MiB, but 2.5 at 256 KiB,
-/// whose 32 KiB blocks are copied through the slots; 4 ranks 1.08-1.27 at
-/// 1 MiB, 0.76-0.89 at 4, 1.04 at 16: no clear winner, the ring stays).
-pub const DIRECT_ALLGATHER_MIN_RANKS: usize = 8;
+/// AllGathers over shared memory on this many ranks or more, with blocks
+/// of at least [`DIRECT_ALLGATHER_MIN_BLOCK`], go direct: the ring's blocks
+/// each wait n-1 hops, which on an oversubscribed host means n-1 ranks
+/// scheduled in turn (shared memory, 2 cores, `collbench allgather --algo`,
+/// paired time ratios direct / ring, 6 rounds: 4 ranks 0.73 / 0.80 / 0.60 /
+/// 0.68 / 0.98 at 256 KiB / 1 / 4 / 16 / 256 MiB, 0.96 / 0.80 in place at 1
+/// / 16 MiB, 0.88 / 0.97 / 0.80 with fresh inputs at 1 / 4 / 16 MiB; 3
+/// ranks 0.78 at 4 MiB; 8 ranks 0.73-0.91 from 512 KiB to 16 MiB with fresh
+/// inputs, but 2.5 at 256 KiB, whose 32 KiB blocks are copied through the
+/// slots). At 2 ranks both are one exchange.
+pub const DIRECT_ALLGATHER_MIN_RANKS: usize = 3;
 pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 
 /// Broadcasts over shared memory above this size go direct (every rank
@@ -375,13 +377,13 @@ pub(crate) fn select(
             "many ranks, small blocks: log2(n) packed messages beat n-1 (the simulator's pick)",
         ),
         AllGather
-            if hosts.len() == 1
+            if topology.shared_memory
                 && size >= DIRECT_ALLGATHER_MIN_RANKS
                 && bytes / size >= DIRECT_ALLGATHER_MIN_BLOCK =>
         {
             (
                 &direct::ALLGATHER,
-                "one host, many ranks, large blocks: no block waits n-1 hops around the ring",
+                "shared memory, large blocks: no block waits n-1 hops around the ring",
             )
         }
         Broadcast if topology.shared_memory && bytes >= DIRECT_BROADCAST_MIN_BYTES => (
@@ -502,7 +504,7 @@ mod tests {
     }
 
     #[test]
-    fn large_broadcasts_go_direct_only_over_shared_memory() {
+    fn large_broadcasts_and_allgathers_go_direct_only_over_shared_memory() {
         let memory = |n: usize| Topology {
             shared_memory: true,
             ..Topology::new(vec![(0..n).collect()])
@@ -511,6 +513,11 @@ mod tests {
         assert_eq!(pick(BINOMIAL_MAX_BYTES, memory(8)), "binomial");
         assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES, memory(8)), "direct");
         let sockets = Topology::new(vec![(0..8).collect()]);
-        assert_eq!(pick(16 << 20, sockets), "chain");
+        assert_eq!(pick(16 << 20, sockets.clone()), "chain");
+        // AllGather likewise from 3 ranks and 64 KiB blocks.
+        let gather = |bytes, t: Topology| select(AllGather, bytes, &t).0.name;
+        assert_eq!(gather(3 * DIRECT_ALLGATHER_MIN_BLOCK, memory(3)), "direct");
+        assert_eq!(gather(3 * DIRECT_ALLGATHER_MIN_BLOCK - 3, memory(3)), "ring");
+        assert_eq!(gather(16 << 20, sockets), "ring");
     }
 }
