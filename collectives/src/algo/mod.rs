@@ -517,7 +517,10 @@ mod tests {
         // AllGather likewise from 3 ranks and 64 KiB blocks.
         let gather = |bytes, t: Topology| select(AllGather, bytes, &t).0.name;
         assert_eq!(gather(3 * DIRECT_ALLGATHER_MIN_BLOCK, memory(3)), "direct");
-        assert_eq!(gather(3 * DIRECT_ALLGATHER_MIN_BLOCK - 3, memory(3)), "ring");
+        assert_eq!(
+            gather(3 * DIRECT_ALLGATHER_MIN_BLOCK - 3, memory(3)),
+            "ring"
+        );
         assert_eq!(gather(16 << 20, sockets), "ring");
     }
 }
