@@ -332,6 +332,12 @@ pub(crate) fn log_peers(rank: Rank, table: &Table, via: &[Option<&'static str>])
     tracing::info!(rank, "connected to {}", peers.join(", "));
 }
 
+/// Whether every peer is reached through shared memory (each pair agrees on
+/// its transport, so every rank of the job answers alike).
+pub(crate) fn all_shared_memory(via: &[Option<&'static str>]) -> bool {
+    via.iter().all(|v| v.is_none_or(|t| t == "shm"))
+}
+
 /// "shm", "tcp" or "shm+tcp": the transports in use, for headers and logs.
 pub(crate) fn summary(via: &[Option<&'static str>]) -> String {
     let mut names: Vec<&str> = via.iter().flatten().copied().collect();

@@ -940,8 +940,7 @@ pub(crate) enum State {
 
 impl State {
     pub fn initial(max_bytes: usize, via: &[Option<&'static str>]) -> Self {
-        let all_shm = via.iter().all(|v| v.is_none_or(|t| t == "shm"));
-        match max_bytes > 0 && all_shm && via.len() > 1 {
+        match max_bytes > 0 && crate::mesh::all_shared_memory(via) && via.len() > 1 {
             true => State::Untried,
             false => State::Off,
         }

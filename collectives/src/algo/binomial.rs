@@ -50,9 +50,7 @@ fn broadcast(l: &Layout, s: &mut Schedule) {
     let (parent, children) = tree(l);
     let from = match parent {
         None => {
-            if !l.in_place {
-                s.copy(span(Buf::Input, l.all()), span(Buf::Output, l.all()));
-            }
+            super::copy_all(l, s);
             l.input()
         }
         Some(_) => Buf::Output,
@@ -76,7 +74,7 @@ fn broadcast(l: &Layout, s: &mut Schedule) {
 
 fn reduce(l: &Layout, s: &mut Schedule) {
     if l.size == 1 {
-        return super::ring::copy_all(l, s);
+        return super::copy_all(l, s);
     }
     let (parent, mut children) = tree(l);
     // Smallest subtree first: its partial sum arrives first.
@@ -84,8 +82,4 @@ fn reduce(l: &Layout, s: &mut Schedule) {
     for c in l.chunks(Buf::Output, l.all()) {
         super::reduce_up(l, s, c, parent, &children);
     }
-}
-
-fn span(buf: Buf, (offset, len): (usize, usize)) -> Span {
-    Span { buf, offset, len }
 }

@@ -6,7 +6,7 @@
 //! chain: bandwidth-optimal for large messages, n-1 hops of latency.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span};
+use crate::schedule::{Buf, Schedule};
 use crate::Collective;
 
 pub(super) const BROADCAST: Algorithm = Algorithm {
@@ -32,9 +32,7 @@ fn broadcast(l: &Layout, s: &mut Schedule) {
     // Position along the chain, the root first.
     let pos = (r + n - l.root) % n;
     if pos == 0 {
-        if !l.in_place {
-            s.copy(span(Buf::Input, l.all()), span(Buf::Output, l.all()));
-        }
+        super::copy_all(l, s);
         if n > 1 {
             for c in l.chunks(l.input(), l.all()) {
                 s.send(next, c, None);
@@ -56,7 +54,7 @@ fn reduce(l: &Layout, s: &mut Schedule) {
     // Position along the chain, which ends at the root.
     let pos = (r + 2 * n - l.root - 1) % n;
     if n == 1 {
-        return super::ring::copy_all(l, s);
+        return super::copy_all(l, s);
     }
     if pos == 0 {
         for c in l.chunks(l.input(), l.all()) {
@@ -70,8 +68,4 @@ fn reduce(l: &Layout, s: &mut Schedule) {
             s.send(next, c, Some(reduced));
         }
     }
-}
-
-fn span(buf: Buf, (offset, len): (usize, usize)) -> Span {
-    Span { buf, offset, len }
 }

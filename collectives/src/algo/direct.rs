@@ -44,25 +44,17 @@ pub(super) const BROADCAST: Algorithm = Algorithm {
 
 fn broadcast(l: &Layout, s: &mut Schedule) {
     let (n, r) = (l.size, l.rank);
-    let all = (0, l.count * l.elem);
     if r != l.root {
-        for c in l.chunks(Buf::Output, all) {
+        for c in l.chunks(Buf::Output, l.all()) {
             s.recv(l.root, c, None);
         }
         return;
     }
-    if !l.in_place {
-        let whole = |buf| Span {
-            buf,
-            offset: 0,
-            len: all.1,
-        };
-        s.copy(whole(Buf::Input), whole(Buf::Output));
-    }
-    // Peers in turn from the root's successor, so each starts reading at
-    // once and none is always served last.
+    super::copy_all(l, s);
+    // Peers in turn from the root's successor: the executor posts their
+    // queues in this order, so none is always served last.
     for p in (1..n).map(|d| (r + d) % n) {
-        for c in l.chunks(l.input(), all) {
+        for c in l.chunks(l.input(), l.all()) {
             s.send(p, c, None);
         }
     }

@@ -125,22 +125,8 @@ impl Writes {
 
 fn build(l: &Layout, s: &mut Schedule) {
     let n = l.size;
-    let whole = Span {
-        buf: Buf::Output,
-        offset: 0,
-        len: l.count * l.elem,
-    };
     if n == 1 {
-        if !l.in_place {
-            s.copy(
-                Span {
-                    buf: Buf::Input,
-                    ..whole
-                },
-                whole,
-            );
-        }
-        return;
+        return super::copy_all(l, s);
     }
     let plan = Plan::new(n);
     let mut writes = Writes::new(l);
@@ -148,7 +134,7 @@ fn build(l: &Layout, s: &mut Schedule) {
         // Paired off: contribute, then receive the partner's result.
         let partner = l.rank + 1;
         let mut last = None;
-        for c in grid(l, (0, whole.len)) {
+        for c in grid(l, l.all()) {
             last = Some(s.send(
                 partner,
                 Span {
@@ -170,7 +156,7 @@ fn build(l: &Layout, s: &mut Schedule) {
     let mut in_output = l.in_place;
     if l.rank < 2 * plan.r {
         let with = !l.in_place;
-        for c in grid(l, (0, whole.len)) {
+        for c in grid(l, l.all()) {
             let step = s.recv_reduce(l.rank - 1, c, with, false, None);
             writes.record(c, step);
         }

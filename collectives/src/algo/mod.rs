@@ -157,6 +157,16 @@ impl<'h> Layout<'h> {
     }
 }
 
+/// Out of place, the whole input copied into the output: the result of a
+/// rank whose result is its own input (a lone rank, a Broadcast's root).
+pub(crate) fn copy_all(l: &Layout, s: &mut Schedule) {
+    if !l.in_place && l.count > 0 {
+        let (offset, len) = l.all();
+        let whole = |buf| Span { buf, offset, len };
+        s.copy(whole(Buf::Input), whole(Buf::Output));
+    }
+}
+
 /// One chunk `c` up a tree: the children's partial results reduced into
 /// ours in `children` order (the first with this rank's input), then sent
 /// to the parent, if any. Returns the last reduction (`None` for a leaf) and
@@ -292,7 +302,7 @@ pub(crate) struct Topology {
     /// a context switch, so the algorithms that send fewer messages win
     /// (see [`CROWDED_TREE_MAX_BYTES`]).
     pub crowded_sockets: bool,
-    /// Every rank on one host, every message through shared memory: a
+    /// Every message goes through shared memory (every rank on one host): a
     /// receiver reads its sender's memory itself (see [`DIRECT_BROADCAST_MIN_BYTES`]).
     pub shared_memory: bool,
 }

@@ -12,7 +12,7 @@
 //! with block r). All-gather circulates the owned blocks for n-1 more steps.
 //! Each rank sends (n-1)/n of the range per phase: bandwidth-optimal.
 
-use super::{Algorithm, Layout};
+use super::{copy_all, Algorithm, Layout};
 use crate::schedule::{Buf, Schedule, Span, StepId};
 use crate::Collective;
 
@@ -78,6 +78,20 @@ impl Ring {
 
     fn prev(&self) -> usize {
         self.members[(self.me + self.n() - 1) % self.n()]
+    }
+
+    /// The block this member sends at reduce-scatter step `t` (me+d-1-t mod
+    /// n); the one it receives at step t is the one it sends at t+1.
+    fn reduce_scatter_sends(&self, d: usize, t: usize) -> usize {
+        (self.me + d + 2 * self.n() - 1 - t) % self.n()
+    }
+
+    /// The reduce-scatter step at which this member sends `block` (any but
+    /// its own block me+d): the inverse of [`reduce_scatter_sends`](Self::reduce_scatter_sends).
+    fn reduce_scatter_step_sending(&self, d: usize, block: usize) -> usize {
+        let t = (self.me + d + 2 * self.n() - 1 - block) % self.n();
+        debug_assert_eq!(self.reduce_scatter_sends(d, t), block);
+        t
     }
 
     /// Block `i` (mod n) of the range, cut as evenly as elements allow.
@@ -160,8 +174,7 @@ fn reduce(l: &Layout, s: &mut Schedule) {
         return;
     }
     for p in (0..n).filter(|&p| p != root) {
-        // The reduce-scatter step at which this rank sent block p.
-        let t = (root + 2 * n - 1 - p) % n;
+        let t = ring.reduce_scatter_step_sending(0, p);
         for (k, c) in l.chunks(Buf::Output, ring.block(l, p)).enumerate() {
             s.recv(p, c, Some(rs.sends[t][k]));
         }
@@ -190,7 +203,7 @@ pub(super) fn reduce_scatter_phase(
     mine: Contribution,
     finalize: bool,
 ) -> Phase {
-    let (n, m) = (ring.n(), ring.me);
+    let n = ring.n();
     // Receives of the previous step, by chunk: the sends of this step wait for them.
     let mut prev_recvs: Vec<StepId> = Vec::new();
     let mut phase = Phase {
@@ -200,8 +213,8 @@ pub(super) fn reduce_scatter_phase(
     };
     let with_input = mine.buf == Buf::Input;
     for t in 0..n - 1 {
-        let send_block = ring.block(l, m + d + 2 * n - 1 - t);
-        let recv_block = ring.block(l, m + d + 2 * n - 2 - t);
+        let send_block = ring.block(l, ring.reduce_scatter_sends(d, t));
+        let recv_block = ring.block(l, ring.reduce_scatter_sends(d, t + 1));
         let from = if t == 0 { mine.buf } else { Buf::Output };
         let sends: Vec<StepId> = l
             .chunks(from, send_block)
@@ -258,7 +271,8 @@ pub(super) fn all_gather_phase(
     let mut last_recv = None;
     for t in 0..n - 1 {
         let send_block = ring.block(l, m + d + n - t);
-        let recv_block = ring.block(l, m + d + 2 * n - 1 - t);
+        // The block the reduce-scatter phase sent at step t (`overwrites`).
+        let recv_block = ring.block(l, ring.reduce_scatter_sends(d, t));
         let sends: Vec<(Span, Option<StepId>)> = match (t, &first) {
             (0, Source::Own(own, after)) => l
                 .chunks(own.buf, (own.offset, own.len))
@@ -289,13 +303,6 @@ pub(super) fn all_gather_phase(
         finals: Vec::new(),
         sends: Vec::new(),
         last_recv,
-    }
-}
-
-/// One rank: the result is the input (one block is the whole buffer).
-pub(super) fn copy_all(l: &Layout, s: &mut Schedule) {
-    if !l.in_place && l.count > 0 {
-        s.copy(span(Buf::Input, l.all()), span(Buf::Output, l.all()));
     }
 }
 

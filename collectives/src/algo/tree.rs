@@ -91,7 +91,7 @@ pub(crate) fn children(t: usize, r: usize, n: usize) -> ([usize; 2], usize) {
 fn build(l: &Layout, s: &mut Schedule) {
     let (n, r) = (l.size, l.rank);
     if n == 1 {
-        return super::ring::copy_all(l, s);
+        return super::copy_all(l, s);
     }
     // Half the elements each (the first tree takes the odd one); a message
     // of one chunk or less takes the first tree only: halving it would not
