@@ -112,6 +112,26 @@ pub fn reduce_to(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: &[u8], b: &[u
     }
 }
 
+/// `dst[i] = a[i] op dst[i]`: [`reduce_to`] with `b` already in `dst`.
+/// Sum and product are commutative (IEEE addition and multiplication are,
+/// bit for bit, but for which NaN's payload survives): one
+/// [`reduce_into`] pass. Min and max keep the operand order, whose ties
+/// (-0 against +0, NaNs) would differ, in blocks through a buffer on the
+/// stack.
+pub fn reduce_onto(dtype: DataType, op: ReduceOp, dst: &mut [u8], a: &[u8]) {
+    assert_eq!(dst.len(), a.len(), "reduce_onto: length mismatch");
+    if matches!(op, ReduceOp::Sum | ReduceOp::Avg | ReduceOp::Prod) {
+        return reduce_into(dtype, op, dst, a);
+    }
+    let mut block = [0u64; 2048];
+    let block: &mut [u8] = bytemuck::cast_slice_mut(&mut block);
+    for (d, a) in dst.chunks_mut(block.len()).zip(a.chunks(block.len())) {
+        let b = &mut block[..d.len()];
+        b.copy_from_slice(d);
+        reduce_to(dtype, op, d, a, b);
+    }
+}
+
 /// Completes a reduction over `nranks` contributions: divides for
 /// [`ReduceOp::Avg`], nothing for the others.
 pub fn finalize(dtype: DataType, op: ReduceOp, buf: &mut [u8], nranks: usize) {
@@ -472,6 +492,45 @@ mod tests {
         assert_eq!(d, bytes(&[-56i8, 127, 14]), "integers wrap");
         finalize(DataType::I8, ReduceOp::Avg, &mut d, 2);
         assert_eq!(d, bytes(&[-28i8, 63, 7]));
+    }
+
+    #[test]
+    fn onto_is_to_with_b_already_in_dst() {
+        // Ties that only the operand order settles (-0 against +0, NaN
+        // against a number), over more than one of reduce_onto's blocks.
+        let n = 5000;
+        let a: Vec<f32> = (0..n)
+            .map(|i| [0.0, -0.0, f32::NAN, 1.5, -2.0][i % 5])
+            .collect();
+        let b: Vec<f32> = (0..n)
+            .map(|i| [-0.0, 0.0, 3.0, f32::NAN, i as f32][i % 5])
+            .collect();
+        let to_bf16 = |v: &[f32]| bytes(&v.iter().map(|x| bf16::from_f32(*x)).collect::<Vec<_>>());
+        let cases = [
+            (DataType::F32, bytes(&a), bytes(&b)),
+            (DataType::Bf16, to_bf16(&a), to_bf16(&b)),
+        ];
+        for (dtype, a, b) in cases {
+            for op in ReduceOp::ALL {
+                let mut want = vec![0u8; a.len()];
+                reduce_to(dtype, op, &mut want, &a, &b);
+                let mut got = b.clone();
+                reduce_onto(dtype, op, &mut got, &a);
+                if matches!(op, ReduceOp::Min | ReduceOp::Max) {
+                    assert_eq!(got, want, "{dtype:?} {op}: bit for bit");
+                    continue;
+                }
+                // Sums and products agree bit for bit but for NaN payloads.
+                let size = dtype.size();
+                let nan = |e: &[u8]| match dtype {
+                    DataType::F32 => f32::from_le_bytes(e.try_into().unwrap()).is_nan(),
+                    _ => bf16::from_le_bytes(e.try_into().unwrap()).is_nan(),
+                };
+                for (g, w) in got.chunks(size).zip(want.chunks(size)) {
+                    assert!(g == w || (nan(g) && nan(w)), "{dtype:?} {op}: {g:?} {w:?}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -168,6 +168,7 @@ impl Transfers<'_> {
             // until the executor frees it after this.
             Source::Slot(slot) => self.staging.slot(slot, span.len),
             Source::Local(from) => self.span(from),
+            Source::Span => return self.act_on_landed(action, span),
         };
         let dst = self.span_mut(span);
         match action {
@@ -190,6 +191,27 @@ impl Transfers<'_> {
                     reduce::finalize(self.dtype, self.op, dst, self.nranks);
                 }
             }
+        }
+    }
+
+    /// `span = input op span`: the peer's data landed in the span itself
+    /// (see [`lands_in_span`](crate::executor::lands_in_span)).
+    fn act_on_landed(&self, action: Action, span: Span) {
+        let Action::Reduce {
+            with_input: true,
+            finalize,
+        } = action
+        else {
+            unreachable!("only first reductions land in their span")
+        };
+        let input = self.span(Span {
+            buf: Buf::Input,
+            ..span
+        });
+        let dst = self.span_mut(span);
+        reduce::reduce_onto(self.dtype, self.op, dst, input);
+        if finalize {
+            reduce::finalize(self.dtype, self.op, dst, self.nranks);
         }
     }
 

@@ -144,6 +144,7 @@ impl Effects for Replay<'_> {
         let operand = match from {
             Source::Slot(s) => m.slots[s][..span.len / 8].to_vec(),
             Source::Local(f) => m.read(f),
+            Source::Span => m.read(span),
         };
         match action {
             Action::Copy => m.write(span).copy_from_slice(&operand),
