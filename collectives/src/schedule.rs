@@ -180,7 +180,9 @@ impl Schedule {
 
     /// Receive into a staging slot, then reduce into `span` once `after` is
     /// done (an order of reductions that every rank follows makes every
-    /// rank's result bitwise identical).
+    /// rank's result bitwise identical). A first reduction (`with_input`)
+    /// without `after` receives into `span` itself instead (the executor's
+    /// `lands_in_span`): nothing may read or write `span` before it.
     pub fn recv_reduce(
         &mut self,
         peer: Rank,
