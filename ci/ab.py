@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip] [--huge]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
@@ -16,6 +16,11 @@ Open MPI's too, rewrites each call's input before the call (collbench
 --fresh). --tcp: every binary over TCP on loopback (ours COLL_TRANSPORT=tcp,
 Open MPI's btl tcp on lo). A BIN may carry COLL_* settings before the path
 (COLL_CHUNK=256K:/tmp/cb-a). SIZE takes K, M and G suffixes for every binary.
+--huge: every binary also runs a 16 MiB size after SIZE, so that its
+buffers are sized, and advised into transparent huge pages, as in a sweep
+up to 16 MiB (ci/compare.sh's): a run of 1-4 MiB alone gets mostly 4 KiB
+pages, on which each single-copy read walks and pins a page per 4 KiB, and
+measures up to 2x slower than the same size in such a sweep.
 """
 import json
 import os
@@ -29,20 +34,26 @@ def in_bytes(size):
     return str(int(size[:-1]) * units[size[-1]]) if size[-1] in units else size
 
 
-def run(binary, coll, ranks, size, iters, fresh, tcp, ip):
+HUGE = "16M"
+
+
+def run(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
+    # The size asked for comes first: its row is the first of the output.
+    sizes = [size] + [HUGE] * (huge and int(in_bytes(size)) < int(in_bytes(HUGE)))
     if binary == "mpi":
         env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                    OMPI_MCA_rmaps_base_oversubscribe="1")
         btl = ["--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "lo"] * tcp
         out = subprocess.run(["mpirun.openmpi", "-n", ranks] + btl + ["target/compare/mpibench"]
-                             + ["--fresh"] * fresh + [coll, in_bytes(size)],
+                             + ["--fresh"] * fresh + [coll] + [in_bytes(s) for s in sizes],
                              capture_output=True, text=True, env=env, check=True).stdout
-        return float(out.strip().splitlines()[-1].split()[5 if ip else 2])
+        row = next(line.split() for line in out.splitlines() if line[:1].isdigit())
+        return float(row[5 if ip else 2])
     *settings, binary = binary.split(":")
     env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
     if tcp:
         env["COLL_TRANSPORT"] = "tcp"
-    cmd = [binary, coll, "-n", ranks, "-b", size, "-e", size, "--json", "-"]
+    cmd = [binary, coll, "-n", ranks, "--size", ",".join(sizes), "--json", "-"]
     if iters:
         cmd += ["--iters", iters]
     if fresh:
@@ -67,13 +78,16 @@ def main():
     ip = "--ip" in args
     if ip:
         args.remove("--ip")
+    huge = "--huge" in args
+    if huge:
+        args.remove("--huge")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     times = {b: [] for b in bins}
     for r in range(rounds):
         for b in bins if r % 2 == 0 else bins[::-1]:
-            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip))
+            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip, huge))
     base = times[bins[0]]
     for b in bins:
         t = times[b]
