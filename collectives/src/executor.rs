@@ -640,6 +640,36 @@ mod tests {
     }
 
     #[test]
+    fn a_first_reduction_that_waits_for_nothing_lands_in_its_span() {
+        // Out of place, chunk 0's first reduction waits for nothing: it
+        // takes no slot, so with no slots at all it is still posted, and
+        // it is applied from its own span. Chunk 1's waits for chunk 0's
+        // and must go through a slot, as must a later, second reduction.
+        let mut s = Schedule::default();
+        let first = s.recv_reduce(1, span(0), true, false, None);
+        s.recv_reduce(1, span(8), true, false, Some(first));
+        s.recv_reduce(1, span(0), false, false, Some(first));
+        assert!(lands_in_span(&s.steps[first]));
+        assert!(!lands_in_span(&s.steps[first + 1]) && !lands_in_span(&s.steps[first + 2]));
+        let mut e = Execution::default();
+        let windows = Windows {
+            sends: 4,
+            recvs: 4,
+            slots: 1,
+        };
+        e.start(&s, 2, windows);
+        let mut fx = Log::default();
+        let mut steps = 0;
+        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
+            steps += 1;
+            assert!(steps < 100, "never finished");
+        }
+        let slots: Vec<_> = fx.posted.iter().map(|p| p.2).collect();
+        assert_eq!(slots, [None, Some(0), Some(0)]);
+        assert_eq!(fx.applied, [(0, None), (8, Some(0)), (0, Some(0))]);
+    }
+
+    #[test]
     fn a_large_copy_goes_a_piece_a_step_while_sends_keep_being_posted() {
         // A Broadcast root out of place: its whole buffer copied, and eight
         // chunk sends with a window of two.
