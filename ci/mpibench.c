@@ -23,17 +23,23 @@
 static int rank, nranks;
 
 /* A zeroed buffer of `bytes` on the memory collbench's buffers get
- * (bench.rs, `buffer`): its 2 MiB-aligned interior advised into transparent
- * huge pages before the first touch, so that both libraries read and write
- * the same kind of pages (4 KiB ones cost a single-copy read a page walk per
- * 4 KiB). */
+ * (bench.rs, `Buffer`): one of a huge page or more starts on a huge-page
+ * boundary and is advised, whole, into transparent huge pages before the
+ * first touch, so that both libraries read and write the same kind of pages
+ * (4 KiB ones cost a single-copy read a page walk per 4 KiB) wherever malloc
+ * would have put them. */
 static void *buffer(size_t bytes) {
-    const uintptr_t huge = 2u << 20;
-    char *p = calloc(1, bytes);
-    if (!p) { perror("calloc"); MPI_Abort(MPI_COMM_WORLD, 2); }
-    uintptr_t start = (uintptr_t)p, end = start + bytes;
-    uintptr_t aligned = (start + huge - 1) / huge * huge;
-    if (end > aligned + huge) madvise((void *)aligned, (end - aligned) / huge * huge, MADV_HUGEPAGE);
+    const size_t huge = 2u << 20;
+    if (bytes < huge) {
+        char *p = calloc(1, bytes ? bytes : 1);
+        if (!p) { perror("calloc"); MPI_Abort(MPI_COMM_WORLD, 2); }
+        return p;
+    }
+    size_t len = (bytes + huge - 1) / huge * huge;
+    void *p = NULL;
+    if (posix_memalign(&p, huge, len)) { perror("posix_memalign"); MPI_Abort(MPI_COMM_WORLD, 2); }
+    madvise(p, len, MADV_HUGEPAGE);
+    memset(p, 0, len);
     return p;
 }
 

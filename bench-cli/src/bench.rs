@@ -15,8 +15,8 @@ pub struct Bench<'a> {
     pub comm: &'a mut Communicator,
     pub args: &'a BenchArgs,
     pub collective: Collective,
-    send: Vec<u64>,
-    recv: Vec<u64>,
+    send: Buffer,
+    recv: Buffer,
     /// AllToAllv's split of the size being measured.
     skew: Option<Skew>,
     started: Instant,
@@ -70,8 +70,8 @@ impl<'a> Bench<'a> {
             comm,
             args,
             collective,
-            send: buffer(max_bytes as usize),
-            recv: buffer(recv_bytes),
+            send: Buffer::new(max_bytes as usize),
+            recv: Buffer::new(recv_bytes),
             skew: None,
             started: Instant::now(),
             logged: Instant::now(),
@@ -169,14 +169,14 @@ impl<'a> Bench<'a> {
             self.args.op,
         );
         let (send_len, recv_len) = self.lengths(bytes, in_place);
-        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len];
+        let recv = &mut self.recv.bytes_mut()[..recv_len];
         // Whatever the call must overwrite holds values it must not leave.
         data::fill_alltoall(recv, dtype, n + 1);
         let block = bytes / n;
         let input = match in_place {
             true if self.collective == Collective::AllGather => &mut recv[rank * block..][..block],
             true => recv,
-            false => &mut bytemuck::cast_slice_mut(&mut self.send)[..send_len],
+            false => &mut self.send.bytes_mut()[..send_len],
         };
         match self.collective {
             Collective::AllToAll | Collective::AllGather | Collective::AllToAllV => {
@@ -189,7 +189,7 @@ impl<'a> Bench<'a> {
             _ => data::fill_allreduce(input, dtype, op, rank),
         }
         self.call((send_len, recv_len), in_place)?;
-        let result = &bytemuck::cast_slice(&self.recv)[..recv_len];
+        let result = &self.recv.bytes()[..recv_len];
         let elem = dtype.size();
         Ok(match self.collective {
             Collective::AllToAll => data::check_alltoall(result, dtype, rank, n),
@@ -242,8 +242,8 @@ impl<'a> Bench<'a> {
         (send_len, recv_len): (usize, usize),
         in_place: bool,
     ) -> Result<(), collectives::Error> {
-        let send = &mut bytemuck::cast_slice_mut(&mut self.send)[..send_len];
-        let recv = &mut bytemuck::cast_slice_mut(&mut self.recv)[..recv_len];
+        let send = &mut self.send.bytes_mut()[..send_len];
+        let recv = &mut self.recv.bytes_mut()[..recv_len];
         if self.args.fresh {
             rewrite_lines(if in_place { &mut *recv } else { &mut *send });
         }
@@ -342,24 +342,56 @@ pub fn show_bar(rank: usize, k: usize, n: usize, started: Instant) {
     }
 }
 
-/// A zeroed buffer of at least `bytes`, backed by transparent huge pages where
-/// the kernel allows (`madvise` mode): first touch of 4 KiB pages runs at
-/// about 2 GB/s here, and a training framework's allocator would use huge
-/// pages for gradient buffers too.
-fn buffer(bytes: usize) -> Vec<u64> {
+/// A zeroed buffer of at least `bytes`. One of a huge page or more starts on
+/// a huge-page boundary and is advised, whole, into transparent huge pages
+/// where the kernel allows (`madvise` mode): first touch of 4 KiB pages runs
+/// at about 2 GB/s here, and a training framework's allocator would use huge
+/// pages for gradient buffers too. Aligned, because where `malloc`'s mapping
+/// happens to start decides otherwise how much of a call's first megabytes
+/// is left on 4 KiB pages, each of which a peer's single-copy read must walk
+/// and pin: up to 2 MiB, from run to run (4-rank AllGather of 1 MiB out of
+/// place, whose peers read each rank's input at offset 0: 58-141 us a call
+/// over runs, 55-64 aligned). `ci/mpibench.c` allocates the same way.
+struct Buffer {
+    raw: Vec<u64>,
+    /// Bytes from the start of `raw` to the buffer's.
+    skip: usize,
+}
+
+impl Buffer {
     const HUGE: usize = 2 << 20;
-    let v = vec![0u64; bytes.div_ceil(8)];
-    let (start, end) = (v.as_ptr() as usize, v.as_ptr() as usize + bytes);
-    let aligned = start.next_multiple_of(HUGE);
-    if end > aligned + HUGE {
-        let len = (end - aligned) / HUGE * HUGE;
-        // SAFETY: the range lies inside `v`'s allocation; MADV_HUGEPAGE only
-        // changes how the kernel backs it, not its contents.
+
+    fn new(bytes: usize) -> Self {
+        if bytes < Self::HUGE {
+            return Buffer {
+                raw: vec![0u64; bytes.div_ceil(8)],
+                skip: 0,
+            };
+        }
+        let len = bytes.next_multiple_of(Self::HUGE);
+        let raw = vec![0u64; (len + Self::HUGE) / 8];
+        let start = raw.as_ptr() as usize;
+        let skip = start.next_multiple_of(Self::HUGE) - start;
+        // SAFETY: [start + skip, start + skip + len) lies inside `raw`'s
+        // allocation; MADV_HUGEPAGE only changes how the kernel backs it,
+        // not its contents.
         let _ = unsafe {
-            rustix::mm::madvise(aligned as *mut _, len, rustix::mm::Advice::LinuxHugepage)
+            rustix::mm::madvise(
+                (start + skip) as *mut _,
+                len,
+                rustix::mm::Advice::LinuxHugepage,
+            )
         };
+        Buffer { raw, skip }
     }
-    v
+
+    fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(&self.raw)[self.skip..]
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        &mut bytemuck::cast_slice_mut(&mut self.raw)[self.skip..]
+    }
 }
 
 /// `1 GiB`, `256 MiB`, `8 B`.
