@@ -604,6 +604,25 @@ mod tests {
         }
     }
 
+    /// Runs `s` on rank 0 of 2 to the end, `window` transfers in flight
+    /// per queue and `slots` staging slots.
+    fn run(s: &Schedule, window: usize, slots: usize) -> (Execution<usize>, Log) {
+        let mut e = Execution::default();
+        let windows = Windows {
+            sends: window,
+            recvs: window,
+            slots,
+        };
+        e.start(s, 2, windows);
+        let mut fx = Log::default();
+        let mut steps = 0;
+        while e.progress(s, &mut fx).unwrap() != Progress::Done {
+            steps += 1;
+            assert!(steps < 100, "never finished");
+        }
+        (e, fx)
+    }
+
     #[test]
     fn windows_slots_and_after_edges_are_respected() {
         let mut s = Schedule::default();
@@ -614,22 +633,7 @@ mod tests {
             last = Some(s.recv_reduce(1, span(8 * k), false, false, last));
         }
         s.send(1, span(0), last);
-        let mut e = Execution::default();
-        e.start(
-            &s,
-            2,
-            Windows {
-                sends: 4,
-                recvs: 4,
-                slots: 1,
-            },
-        );
-        let mut fx = Log::default();
-        let mut steps = 0;
-        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
-            steps += 1;
-            assert!(steps < 100, "never finished");
-        }
+        let (e, fx) = run(&s, 4, 1);
         // One slot: each receive is posted only after the previous one
         // was reduced, and the send only after all three.
         let kinds: Vec<bool> = fx.posted.iter().map(|p| p.1).collect();
@@ -642,28 +646,16 @@ mod tests {
     #[test]
     fn a_first_reduction_that_waits_for_nothing_lands_in_its_span() {
         // Out of place, chunk 0's first reduction waits for nothing: it
-        // takes no slot, so with no slots at all it is still posted, and
-        // it is applied from its own span. Chunk 1's waits for chunk 0's
-        // and must go through a slot, as must a later, second reduction.
+        // takes no slot and is applied from its own span. Chunk 1's waits
+        // for chunk 0's and must go through the one slot, as must a later,
+        // second reduction.
         let mut s = Schedule::default();
         let first = s.recv_reduce(1, span(0), true, false, None);
         s.recv_reduce(1, span(8), true, false, Some(first));
         s.recv_reduce(1, span(0), false, false, Some(first));
         assert!(lands_in_span(&s.steps[first]));
         assert!(!lands_in_span(&s.steps[first + 1]) && !lands_in_span(&s.steps[first + 2]));
-        let mut e = Execution::default();
-        let windows = Windows {
-            sends: 4,
-            recvs: 4,
-            slots: 1,
-        };
-        e.start(&s, 2, windows);
-        let mut fx = Log::default();
-        let mut steps = 0;
-        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
-            steps += 1;
-            assert!(steps < 100, "never finished");
-        }
+        let (_, fx) = run(&s, 4, 1);
         let slots: Vec<_> = fx.posted.iter().map(|p| p.2).collect();
         assert_eq!(slots, [None, Some(0), Some(0)]);
         assert_eq!(fx.applied, [(0, None), (8, Some(0)), (0, Some(0))]);
@@ -684,19 +676,7 @@ mod tests {
         for k in 0..8 {
             s.send(1, span(8 * k), None);
         }
-        let mut e = Execution::default();
-        let windows = Windows {
-            sends: 2,
-            recvs: 2,
-            slots: 0,
-        };
-        e.start(&s, 2, windows);
-        let mut fx = Log::default();
-        let mut steps = 0;
-        while e.progress(&s, &mut fx).unwrap() != Progress::Done {
-            steps += 1;
-            assert!(steps < 100, "never finished");
-        }
+        let (_, fx) = run(&s, 2, 0);
         let pieces: Vec<_> = fx.copied.iter().map(|&(o, l, _)| (o, l)).collect();
         let p = COPY_PIECE;
         assert_eq!(pieces, [(0, p), (p, p), (2 * p, p), (3 * p, 8)]);

@@ -166,52 +166,34 @@ impl Transfers<'_> {
         let src = match from {
             // The slot holds a completed receive; no request targets it
             // until the executor frees it after this.
-            Source::Slot(slot) => self.staging.slot(slot, span.len),
-            Source::Local(from) => self.span(from),
-            Source::Span => return self.act_on_landed(action, span),
+            Source::Slot(slot) => Some(self.staging.slot(slot, span.len)),
+            Source::Local(from) => Some(self.span(from)),
+            // The peer's data landed in the span itself (`lands_in_span`).
+            Source::Span => None,
+        };
+        let input = || {
+            self.span(Span {
+                buf: Buf::Input,
+                ..span
+            })
         };
         let dst = self.span_mut(span);
-        match action {
-            Action::Copy => dst.copy_from_slice(src),
+        let (with_input, finalize) = match action {
+            Action::Copy => return dst.copy_from_slice(src.expect("a copy has a source")),
             Action::Reduce {
                 with_input,
                 finalize,
-            } => {
-                match with_input {
-                    false => reduce::reduce_into(self.dtype, self.op, dst, src),
-                    true => {
-                        let input = Span {
-                            buf: Buf::Input,
-                            ..span
-                        };
-                        reduce::reduce_to(self.dtype, self.op, dst, self.span(input), src)
-                    }
-                }
-                if finalize {
-                    reduce::finalize(self.dtype, self.op, dst, self.nranks);
-                }
-            }
-        }
-    }
-
-    /// `span = input op span`: the peer's data landed in the span itself
-    /// (see [`lands_in_span`](crate::executor::lands_in_span)).
-    fn act_on_landed(&self, action: Action, span: Span) {
-        let Action::Reduce {
-            with_input: true,
-            finalize,
-        } = action
-        else {
-            unreachable!("only first reductions land in their span")
+            } => (with_input, finalize),
         };
-        let input = self.span(Span {
-            buf: Buf::Input,
-            ..span
-        });
-        let dst = self.span_mut(span);
-        reduce::reduce_onto(self.dtype, self.op, dst, input);
+        let (dtype, op) = (self.dtype, self.op);
+        match (src, with_input) {
+            (Some(src), false) => reduce::reduce_into(dtype, op, dst, src),
+            (Some(src), true) => reduce::reduce_to(dtype, op, dst, input(), src),
+            (None, true) => reduce::reduce_onto(dtype, op, dst, input()),
+            (None, false) => unreachable!("only first reductions land in their span"),
+        }
         if finalize {
-            reduce::finalize(self.dtype, self.op, dst, self.nranks);
+            reduce::finalize(dtype, op, dst, self.nranks);
         }
     }
 
