@@ -57,7 +57,7 @@ const TREE: (&str, &str) = (
 
 const LOG_ROUNDS: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=rabenseifner,alltoall=bruck,reduce=ring",
+    "allreduce=rabenseifner,alltoall=bruck,allgather=bruck,reduce=ring",
 );
 
 #[test]

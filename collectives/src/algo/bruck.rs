@@ -13,6 +13,16 @@
 //! Every local copy waits for the one before it (they are all this rank's
 //! own memory); a round's messages wait for its packing, and its unpacking
 //! for its receive. Each round packs and lands in scratch of its own.
+//!
+//! Bruck's AllGather: ceil(log2 n) rounds instead of the ring's n-1 steps.
+//! After round k rank r holds blocks r .. r + 2^(k+1) (mod n); in round k it
+//! sends those it held before, min(2^k, n - 2^k) of them, to rank r - 2^k
+//! and receives as many from rank r + 2^k. The blocks held are one run of
+//! the output modulo n, so each round is one message (two where the run
+//! wraps past block n-1) straight from and into the output: no packing, no
+//! final rotation. A round's messages wait for everything received before,
+//! which the chain of receives gives: each round's receives are posted once
+//! the last of the round before is done.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Action, Buf, Schedule, Span, StepId};
@@ -24,6 +34,14 @@ pub(super) const ALLTOALL: Algorithm = Algorithm {
     summary: "log2(n) rounds, each packing half the blocks into one message; for small blocks on many ranks",
     in_place: true,
     build,
+};
+
+pub(super) const ALLGATHER: Algorithm = Algorithm {
+    name: "bruck",
+    collective: Collective::AllGather,
+    summary: "log2(n) rounds, each sending every block held so far to rank - 2^k; for small blocks on many ranks",
+    in_place: true,
+    build: all_gather,
 };
 
 /// Indices in `1..n` with bit `k` set, as runs `[start, end)`.
@@ -78,6 +96,56 @@ fn build(l: &Layout, s: &mut Schedule) {
     }
     for i in 0..n {
         chain.copy(s, tmp(i, 1), span(Buf::Output, (r + n - i) % n * b, b));
+    }
+}
+
+fn all_gather(l: &Layout, s: &mut Schedule) {
+    let (n, r) = (l.size, l.rank);
+    if n == 1 {
+        return super::copy_all(l, s);
+    }
+    // The own block is sent again from the output in later rounds, so it is
+    // copied there by a step that those rounds can wait for.
+    let mut last = (!l.in_place).then(|| {
+        let (offset, len) = l.block(r);
+        s.local(
+            r,
+            Action::Copy,
+            l.own_block(),
+            span(Buf::Output, offset, len),
+            None,
+        )
+    });
+    let mut d = 1;
+    while d < n {
+        let count = d.min(n - d);
+        let before = last;
+        for range in runs_of_blocks(l, r, count) {
+            for c in l.chunks(Buf::Output, range) {
+                s.send((r + n - d) % n, c, before);
+            }
+        }
+        for range in runs_of_blocks(l, (r + d) % n, count) {
+            for c in l.chunks(Buf::Output, range) {
+                last = Some(s.recv((r + d) % n, c, before));
+            }
+        }
+        d *= 2;
+    }
+}
+
+/// The byte ranges of blocks `first .. first + count` (mod n): one run, or
+/// two where it wraps past the last block.
+fn runs_of_blocks(l: &Layout, first: usize, count: usize) -> Vec<(usize, usize)> {
+    let n = l.size;
+    let bytes = |a: usize, e: usize| {
+        let start = l.block(a).0;
+        let (last, len) = l.block(e - 1);
+        (start, last + len - start)
+    };
+    match first + count {
+        end if end <= n => vec![bytes(first, end)],
+        end => vec![bytes(first, n), bytes(0, end - n)],
     }
 }
 

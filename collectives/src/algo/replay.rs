@@ -185,8 +185,8 @@ fn placeholder() -> Transfer {
     }
 }
 
-/// Runs `algo` (an AllReduce of u64 sums) on `n` ranks and checks every
-/// rank's result.
+/// Runs `algo` (an AllReduce of u64 sums, an AllToAll or an AllGather) on
+/// `n` ranks and checks every rank's result.
 fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool, seed: u64) {
     let hosts: Vec<Vec<usize>> = (0..n)
         .collect::<Vec<_>>()
@@ -194,13 +194,29 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         .map(|c| c.to_vec())
         .collect();
     let value = |r: usize, i: usize| ((r as u64 + 1) << 32) ^ (i as u64 * 7919);
+    // AllGather's blocks as `Layout::block` cuts them, in elements.
+    let block_of = |r: usize| {
+        let (base, extra) = (count / n, count % n);
+        (r * base + r.min(extra), base + usize::from(r < extra))
+    };
     let slots = 3;
     let mut memory: Vec<Memory> = (0..n)
         .map(|r| {
             let data: Vec<u64> = (0..count).map(|i| value(r, i)).collect();
+            let (input, output) = match (algo.collective, in_place) {
+                (Collective::AllGather, false) => (data[..block_of(r).1].to_vec(), vec![0; count]),
+                (Collective::AllGather, true) => {
+                    let (start, len) = block_of(r);
+                    let mut output = vec![0; count];
+                    output[start..start + len].copy_from_slice(&data[..len]);
+                    (Vec::new(), output)
+                }
+                (_, false) => (data, vec![0; count]),
+                (_, true) => (Vec::new(), data),
+            };
             Memory {
-                input: if in_place { Vec::new() } else { data.clone() },
-                output: if in_place { data } else { vec![0; count] },
+                input,
+                output,
                 scratch: Vec::new(),
                 slots: vec![vec![0; chunk / 8]; slots],
             }
@@ -263,6 +279,12 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         Collective::AllReduce => (0..n).fold(0u64, |a, k| a.wrapping_add(value(k, i))),
         // Block j of rank r's output is block r of rank j's input.
         Collective::AllToAll => value(i / block, r * block + i % block),
+        // Element i of every output is element i - start of its owner's block.
+        Collective::AllGather => {
+            let owner = (0..n).rfind(|&k| block_of(k).0 <= i && block_of(k).1 > 0);
+            let k = owner.expect("element in a block");
+            value(k, i - block_of(k).0)
+        }
         c => unreachable!("{c} is not replayed"),
     };
     for (r, m) in memory.iter().enumerate() {
@@ -308,6 +330,26 @@ fn every_alltoall_is_right_whatever_the_timing() {
                     for in_place in [false, true] {
                         for seed in 0..3 {
                             check(algo, n, per_rank * n, chunk, in_place, seed);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_allgather_is_right_whatever_the_timing() {
+    for algo in super::ALGORITHMS
+        .iter()
+        .filter(|a| a.collective == Collective::AllGather)
+    {
+        for n in 1..=9 {
+            for count in [0, 1, 5, 37, 300] {
+                for chunk in [16, 256] {
+                    for in_place in [false, true] {
+                        for seed in 0..3 {
+                            check(algo, n, count, chunk, in_place, seed);
                         }
                     }
                 }
