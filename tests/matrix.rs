@@ -44,7 +44,7 @@ fn matrix_with(ranks: usize, chunk: &str, transport: &str, extra: &[(&str, &str)
 // The selector picks by size; forcing each algorithm runs it at every size.
 const RING: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=ring,allgather=ring,broadcast=chain,reduce=chain",
+    "allreduce=ring,reducescatter=ring,allgather=ring,broadcast=chain,reduce=chain",
 );
 const DIRECT: (&str, &str) = (
     "COLL_ALGO",
@@ -52,12 +52,12 @@ const DIRECT: (&str, &str) = (
 );
 const TREE: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=tree,broadcast=binomial,reduce=binomial",
+    "allreduce=tree,reducescatter=tree,broadcast=binomial,reduce=binomial",
 );
 
 const LOG_ROUNDS: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=rabenseifner,alltoall=bruck,allgather=bruck,reduce=ring",
+    "allreduce=rabenseifner,alltoall=bruck,allgather=bruck,reducescatter=halving,reduce=ring",
 );
 
 #[test]

@@ -18,6 +18,11 @@
 //! it holds. Messages are cut at multiples of the chunk size from the
 //! buffer's start, so a chunk reduced and sent on lies inside the chunk that
 //! wrote it (its `after`), whichever half it belongs to.
+//!
+//! ReduceScatter by recursive halving: the AllReduce's first half on a
+//! power of two of ranks, ids not reversed, so rank r ends with block r
+//! reduced: log2(n) steps instead of the ring's n-1, each rank still
+//! sending (n-1)/n of the buffer. Other rank counts take the ring.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Buf, Schedule, Span, StepId};
@@ -31,12 +36,22 @@ pub(super) const ALLREDUCE: Algorithm = Algorithm {
     build,
 };
 
+pub(super) const REDUCE_SCATTER: Algorithm = Algorithm {
+    name: "halving",
+    collective: Collective::ReduceScatter,
+    summary: "recursive halving, log2(n) steps on a power of two of ranks (else the ring); bandwidth-optimal",
+    in_place: true,
+    build: reduce_scatter,
+};
+
 /// The ranks taking part (p of them) and this rank's role.
 struct Plan {
     p: usize,
     /// Ranks paired off before and after (`r` = n - p).
     r: usize,
     levels: u32,
+    /// Whether ids are numbered with their bits reversed ([`Plan::flip`]).
+    reversed: bool,
 }
 
 impl Plan {
@@ -46,6 +61,7 @@ impl Plan {
             p,
             r: n - p,
             levels: p.ilog2(),
+            reversed: true,
         }
     }
 
@@ -63,6 +79,7 @@ impl Plan {
     /// are numbered host by host) and only the small ones across hosts.
     fn flip(&self, id: usize) -> usize {
         match self.levels {
+            _ if !self.reversed => id,
             0 => id,
             l => id.reverse_bits() >> (usize::BITS - l),
         }
@@ -171,6 +188,19 @@ fn build(l: &Layout, s: &mut Schedule) {
             }
         }
     }
+}
+
+fn reduce_scatter(l: &Layout, s: &mut Schedule) {
+    let n = l.size;
+    if !n.is_power_of_two() || n == 1 {
+        return (super::ring::REDUCE_SCATTER.build)(l, s);
+    }
+    // Rank r must end with block r: ids in rank order.
+    let plan = Plan {
+        reversed: false,
+        ..Plan::new(n)
+    };
+    halve(l, s, &plan, l.rank, &mut Writes::new(l), l.in_place);
 }
 
 /// The reduce-scatter: returns, per step, the last send (a later receive

@@ -8,6 +8,12 @@
 //! differs from i in its lowest set bit); the second is its mirror image
 //! (even n) or its shift by one (odd n), so a rank that is interior in one
 //! tree is a leaf in the other and every rank's links carry about the same.
+//!
+//! ReduceScatter by the tree: the whole buffer reduced as the AllReduce
+//! does, each rank keeping its block (the communicator copies it out; in
+//! place the other blocks, scratch to the caller, end reduced too). Every
+//! rank sends the whole buffer 2 log2(n) hops instead of 1/n of it n-1
+//! times: for small messages where each message costs a context switch.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Buf, Schedule, Span};
@@ -17,6 +23,14 @@ pub(super) const ALLREDUCE: Algorithm = Algorithm {
     name: "tree",
     collective: Collective::AllReduce,
     summary: "double binary tree, each tree half the data, reduce up then broadcast down, chunk-pipelined; 2 log2(n) hops",
+    in_place: true,
+    build,
+};
+
+pub(super) const REDUCE_SCATTER: Algorithm = Algorithm {
+    name: "tree",
+    collective: Collective::ReduceScatter,
+    summary: "the double binary tree's AllReduce, each rank keeping its block; 2 log2(n) hops, for small messages",
     in_place: true,
     build,
 };
