@@ -48,7 +48,7 @@ const RING: (&str, &str) = (
 );
 const DIRECT: (&str, &str) = (
     "COLL_ALGO",
-    "allreduce=direct,allgather=direct,broadcast=direct,reduce=binomial",
+    "allreduce=direct,allgather=direct,broadcast=direct,reduce=direct",
 );
 const TREE: (&str, &str) = (
     "COLL_ALGO",

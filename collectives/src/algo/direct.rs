@@ -9,6 +9,10 @@
 //! times where the ring forwards n-1 blocks once: the same bytes received,
 //! but no block waits for another rank to pass it on.
 //!
+//! Direct Reduce: every rank sends its buffer to the root, which reduces
+//! them in turn from its successor on. A non-root only sends, so where
+//! ranks crowd onto sockets none waits for another to be scheduled.
+//!
 //! Direct Broadcast: the root sends every chunk to every other rank. The
 //! root's memory is read n-1 times where the chain reads each rank's once,
 //! but no chunk waits for a rank to be scheduled to pass it on: on one host
@@ -41,6 +45,28 @@ pub(super) const BROADCAST: Algorithm = Algorithm {
     in_place: true,
     build: broadcast,
 };
+
+pub(super) const REDUCE: Algorithm = Algorithm {
+    name: "direct",
+    collective: Collective::Reduce,
+    summary: "every rank sends its buffer to the root, which reduces them in turn; one step, for small messages",
+    in_place: true,
+    build: reduce,
+};
+
+fn reduce(l: &Layout, s: &mut Schedule) {
+    let (n, root) = (l.size, l.root);
+    if n == 1 {
+        return super::copy_all(l, s);
+    }
+    let (parent, children): (_, Vec<usize>) = match l.rank == root {
+        true => (None, (1..n).map(|d| (root + d) % n).collect()),
+        false => (Some(root), Vec::new()),
+    };
+    for c in l.chunks(Buf::Output, l.all()) {
+        super::reduce_up(l, s, c, parent, &children);
+    }
+}
 
 fn broadcast(l: &Layout, s: &mut Schedule) {
     let (n, r) = (l.size, l.rank);
