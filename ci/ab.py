@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip] [--huge]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip] [--huge] [--busy]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
@@ -22,7 +22,10 @@ up to 16 MiB (ci/compare.sh's): buffers below 2 MiB get no huge pages, so a
 run of 1 MiB alone reads 4 KiB pages, on which each single-copy read walks
 and pins a page per 4 KiB, and measures up to 4x slower than the same size
 in such a sweep (8-rank Broadcast of 1 MiB: 470-560 us against 100-130).
+--busy: a busy loop pinned to the last core runs throughout, for every
+binary (as ci/compare.sh --busy): a core shared with other work.
 """
+import contextlib
 import json
 import os
 import statistics
@@ -63,6 +66,21 @@ def run(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
     return json.loads(out)["rows"][0]["in_place" if ip else "out_of_place"]["time_us"]
 
 
+@contextlib.contextmanager
+def busy_loop(on):
+    """A shell busy loop pinned to the last core while the block runs."""
+    if not on:
+        yield
+        return
+    core = str(os.cpu_count() - 1)
+    hog = subprocess.Popen(["taskset", "-c", core, "sh", "-c", "while :; do :; done"])
+    try:
+        yield
+    finally:
+        hog.kill()
+        hog.wait()
+
+
 def main():
     args = sys.argv[1:]
     iters = None
@@ -82,13 +100,17 @@ def main():
     huge = "--huge" in args
     if huge:
         args.remove("--huge")
+    busy = "--busy" in args
+    if busy:
+        args.remove("--busy")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     times = {b: [] for b in bins}
-    for r in range(rounds):
-        for b in bins if r % 2 == 0 else bins[::-1]:
-            times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip, huge))
+    with busy_loop(busy):
+        for r in range(rounds):
+            for b in bins if r % 2 == 0 else bins[::-1]:
+                times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip, huge))
     base = times[bins[0]]
     for b in bins:
         t = times[b]
