@@ -134,19 +134,17 @@ fn all_gather(l: &Layout, s: &mut Schedule) {
     }
 }
 
-/// The byte ranges of blocks `first .. first + count` (mod n): one run, or
-/// two where it wraps past the last block.
-fn runs_of_blocks(l: &Layout, first: usize, count: usize) -> Vec<(usize, usize)> {
-    let n = l.size;
+/// The byte ranges of blocks `first .. first + count` (mod n): one run, and
+/// a second where it wraps past the last block.
+fn runs_of_blocks(l: &Layout, first: usize, count: usize) -> impl Iterator<Item = (usize, usize)> {
     let bytes = |a: usize, e: usize| {
         let start = l.block(a).0;
         let (last, len) = l.block(e - 1);
         (start, last + len - start)
     };
-    match first + count {
-        end if end <= n => vec![bytes(first, end)],
-        end => vec![bytes(first, n), bytes(0, end - n)],
-    }
+    let (n, end) = (l.size, first + count);
+    let wrapped = (end > n).then(|| bytes(0, end - n));
+    std::iter::once(bytes(first, end.min(n))).chain(wrapped)
 }
 
 /// Local copies, each after the step before.

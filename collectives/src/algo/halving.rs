@@ -79,9 +79,8 @@ impl Plan {
     /// are numbered host by host) and only the small ones across hosts.
     fn flip(&self, id: usize) -> usize {
         match self.levels {
-            _ if !self.reversed => id,
-            0 => id,
-            l => id.reverse_bits() >> (usize::BITS - l),
+            l if self.reversed && l > 0 => id.reverse_bits() >> (usize::BITS - l),
+            _ => id,
         }
     }
 

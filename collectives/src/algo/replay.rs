@@ -194,10 +194,14 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         .map(|c| c.to_vec())
         .collect();
     let value = |r: usize, i: usize| ((r as u64 + 1) << 32) ^ (i as u64 * 7919);
-    // AllGather's blocks as `Layout::block` cuts them, in elements.
+    let layout = |rank| {
+        let c = algo.collective;
+        Layout::of_call(c, DataType::U64, rank, n, count, chunk, in_place, &hosts)
+    };
+    // AllGather's and ReduceScatter's blocks, in elements.
     let block_of = |r: usize| {
-        let (base, extra) = (count / n, count % n);
-        (r * base + r.min(extra), base + usize::from(r < extra))
+        let (offset, len) = layout(0).block(r);
+        (offset / 8, len / 8)
     };
     let slots = 3;
     let mut memory: Vec<Memory> = (0..n)
@@ -224,16 +228,7 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         .collect();
     let mut runs: Vec<(Schedule, Execution<usize>)> = (0..n)
         .map(|rank| {
-            let l = Layout::of_call(
-                algo.collective,
-                DataType::U64,
-                rank,
-                n,
-                count,
-                chunk,
-                in_place,
-                &hosts,
-            );
+            let l = layout(rank);
             let mut s = Schedule::default();
             (algo.build)(&l, &mut s);
             memory[rank].scratch = vec![0; s.scratch.div_ceil(8)];
@@ -290,11 +285,13 @@ fn check(algo: &Algorithm, n: usize, count: usize, chunk: usize, in_place: bool,
         c => unreachable!("{c} is not replayed"),
     };
     for (r, m) in memory.iter().enumerate() {
-        for (i, got) in m.output.iter().enumerate() {
-            let (start, len) = block_of(r);
-            if algo.collective == Collective::ReduceScatter && !(start..start + len).contains(&i) {
-                continue; // only block r is the result
-            }
+        // A ReduceScatter's result is block r alone.
+        let result = match algo.collective {
+            Collective::ReduceScatter => block_of(r),
+            _ => (0, count),
+        };
+        let (start, len) = result;
+        for (i, got) in m.output.iter().enumerate().skip(start).take(len) {
             let want = want(r, i);
             assert_eq!(
                 *got, want,

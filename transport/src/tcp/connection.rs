@@ -92,17 +92,9 @@ struct ReadAhead {
 }
 
 impl ReadAhead {
-    fn new() -> Self {
-        ReadAhead {
-            buf: vec![0; READ_AHEAD].into_boxed_slice(),
-            at: 0,
-            end: 0,
-        }
-    }
-
     /// Reads into `dst` what was read ahead, else from `stream`: through
-    /// the buffer when `ahead`, else straight into `dst`. `None` when
-    /// nothing has come.
+    /// the buffer (made on first use) when `ahead`, else straight into
+    /// `dst`. `None` when nothing has come.
     fn read(
         &mut self,
         stream: &mut TcpStream,
@@ -111,18 +103,26 @@ impl ReadAhead {
         peer: Rank,
     ) -> Result<Option<usize>> {
         if self.at == self.end && ahead {
+            if self.buf.is_empty() {
+                self.buf = vec![0; READ_AHEAD].into_boxed_slice();
+            }
             match read_some(stream, &mut self.buf, peer)? {
                 None => return Ok(None),
                 Some(n) => (self.at, self.end) = (0, n),
             }
         }
-        if self.at == self.end {
-            return read_some(stream, dst, peer);
+        match self.take(dst) {
+            0 => read_some(stream, dst, peer),
+            n => Ok(Some(n)),
         }
+    }
+
+    /// Copies what was read ahead into `dst`, as much as fits; how much.
+    fn take(&mut self, dst: &mut [u8]) -> usize {
         let n = dst.len().min(self.end - self.at);
         dst[..n].copy_from_slice(&self.buf[self.at..self.at + n]);
         self.at += n;
-        Ok(Some(n))
+        n
     }
 }
 
@@ -155,7 +155,11 @@ impl TcpConnection {
                 stream,
                 header: [0; HEADER_LEN],
                 header_have: 0,
-                ahead: ReadAhead::new(),
+                ahead: ReadAhead {
+                    buf: Box::default(),
+                    at: 0,
+                    end: 0,
+                },
             }),
             large_out: if dialer { 0 } else { 1 },
             peer,
@@ -274,7 +278,11 @@ impl TcpConnection {
         self.looks = self.looks.wrapping_add(1);
         let both = self.looks % OTHER_LANE_EVERY == 0;
         for lane in [expected, 1 - expected].into_iter().take(1 + both as usize) {
-            if self.read_header(lane, len < READ_AHEAD, moved)? && self.is_next(lane)? {
+            // Only the lane a small receive expects reads ahead: the other
+            // carries large messages, whose payload would only be copied
+            // through the buffer.
+            let ahead = lane == expected && len < READ_AHEAD;
+            if self.read_header(lane, ahead, moved)? && self.is_next(lane)? {
                 return Ok(Some(lane));
             }
         }
@@ -340,8 +348,7 @@ impl TcpConnection {
     fn read_reason(&mut self, lane: usize, len: usize) -> String {
         let l = &mut self.lanes[lane];
         let mut buf = vec![0u8; len];
-        let early = l.ahead.read(&mut l.stream, &mut buf, false, self.peer);
-        let early = early.ok().flatten().unwrap_or(0);
+        let early = l.ahead.take(&mut buf);
         let stream = &mut l.stream;
         let ok = stream.set_nonblocking(false).is_ok()
             && stream.set_read_timeout(Some(ABORT_PATIENCE)).is_ok()
