@@ -895,15 +895,20 @@ impl Communicator {
         self.recorder.running(slot, algo_name, layout.chunk);
         tracing::debug!(rank, call = %desc, chunk = layout.chunk, steps = run.sched.len(), "start");
         self.inflight.calls[at].args.counts = counts;
+        // The sender may write what a reduction receives (see
+        // `MemRegion::allow_peer_writes`): the receiver then reduces one
+        // chunk while the next is copied in. Not what is only copied: read
+        // by the receiver, it lands in the receiver's own cache.
+        let writes = desc.collective.reduces();
         run.input = match input {
             Some(b) => Some(
-                self.region(b)
+                self.region(b, false)
                     .map_err(|e| Error::collective(rank, desc, e))?,
             ),
             None => None,
         };
         run.output = Some(
-            self.region(output)
+            self.region(output, writes)
                 .map_err(|e| Error::collective(rank, desc, e))?,
         );
         run.scratch = match run.sched.scratch {
@@ -915,7 +920,7 @@ impl Communicator {
                     len: bytes,
                 };
                 Some(
-                    self.region(b)
+                    self.region(b, writes)
                         .map_err(|e| Error::collective(rank, desc, e))?,
                 )
             }
@@ -951,8 +956,8 @@ impl Communicator {
     }
 
     /// `b` as the executor sees it: registered with every transport in use
-    /// (or found in the registration cache).
-    fn region(&mut self, b: RawBuf) -> transport::Result<Region> {
+    /// (or found in the registration cache), writable by peers if `writes`.
+    fn region(&mut self, b: RawBuf, writes: bool) -> transport::Result<Region> {
         let ptr = b.ptr_or_dangling();
         let mr = match self.registrations.lookup(ptr, b.len) {
             Some(mr) => mr,
@@ -965,7 +970,9 @@ impl Communicator {
         Ok(Region {
             ptr,
             len: b.len,
-            mr,
+            // A failed call aborts its connections, which takes back every
+            // offer to write, before the caller gets its buffers back.
+            mr: if writes { mr.allow_peer_writes() } else { mr },
         })
     }
 }

@@ -17,6 +17,9 @@ pub struct MemRegion {
     len: usize,
     /// One key per transport that registered the range; `None` if none had to.
     keys: Option<Arc<[Key]>>,
+    /// Whether a peer may write into receives posted here (see
+    /// [`allow_peer_writes`](Self::allow_peer_writes)).
+    peer_writes: bool,
 }
 
 type Key = Arc<dyn Any + Send + Sync>;
@@ -28,6 +31,7 @@ impl MemRegion {
             addr: addr as usize,
             len,
             keys: Some(Arc::from([Key::from(key)])),
+            peer_writes: false,
         }
     }
 
@@ -37,7 +41,24 @@ impl MemRegion {
             addr: addr as usize,
             len,
             keys: None,
+            peer_writes: false,
         }
+    }
+
+    /// Lets a peer on the same host copy a message into a receive posted in
+    /// this range itself, while this side is busy (see `shm::connection`),
+    /// instead of leaving every copy to the receiver. The owner promises
+    /// more than the receive contract: the range stays mapped until every
+    /// connection that received into it is aborted or dropped, even after a
+    /// failed call (long-lived memory such as staging slots qualifies).
+    pub fn allow_peer_writes(mut self) -> Self {
+        self.peer_writes = true;
+        self
+    }
+
+    /// Whether [`allow_peer_writes`](Self::allow_peer_writes) was given.
+    pub fn peer_writes(&self) -> bool {
+        self.peer_writes
     }
 
     pub fn addr(&self) -> *const u8 {
@@ -103,6 +124,7 @@ pub fn register_all<'a>(
         addr: addr as usize,
         len,
         keys: (!keys.is_empty()).then(|| Arc::from(keys)),
+        peer_writes: false,
     })
 }
 

@@ -1,6 +1,7 @@
 //! Waiting for progress on several connections at once, with a deadline.
 
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
@@ -74,6 +75,18 @@ const SPIN_CLOCK_EVERY: u32 = 16;
 /// VM, a core of its own makes it wait well under 1% of a window (brief
 /// kernel work), a core shared with a busy loop about half.
 const WINDOW: Duration = Duration::from_millis(50);
+/// Whether the last poller to measure found its core shared with other
+/// work (see [`core_shared`]).
+static CORE_SHARED: AtomicBool = AtomicBool::new(false);
+
+/// Whether this process's waiting thread last found its core shared with
+/// other work: a shared-memory sender then leaves every copy to its peer
+/// (its own copies would run at a fraction of a core, and its peer would
+/// wait for them).
+pub(crate) fn core_shared() -> bool {
+    CORE_SHARED.load(Ordering::Relaxed)
+}
+
 /// How long a thread on a shared core polls before it sleeps.
 const CONTENDED_PATIENCE: Duration = Duration::from_micros(20);
 /// A yield that takes this long handed the core to other work for its
@@ -215,6 +228,7 @@ impl Poller {
         };
         if let Some((start, before)) = self.window {
             self.contended = waited.saturating_sub(before) * 10 > now - start;
+            CORE_SHARED.store(self.contended, Ordering::Relaxed);
         }
         self.window = Some((now, waited));
         self.contended

@@ -126,6 +126,69 @@ fn messages_arrive_whole_and_in_order(make: fn() -> Box<dyn Transport>) {
     assert_eq!(c0.pending() + c1.pending(), 0);
 }
 
+/// Receives into memory peers may write (over shared memory the sender
+/// then copies some messages in itself while the receiver works on others)
+/// arrive whole and in order, and nothing lands between them. The receiver
+/// turns away after each message lands, which gives the sender time to
+/// take up offers.
+fn receives_peers_may_write_arrive_whole(make: fn() -> Box<dyn Transport>) {
+    const N: usize = 64;
+    const LEN: usize = 128 << 10;
+    // A gap after each receive shows a write at a wrong place.
+    const STRIDE: usize = LEN + 4096;
+    let t = make();
+    let (mut c0, mut c1) = pair(&*t);
+    let src: Vec<u8> = (0..N * LEN).map(|i| (i * 13 % 251) as u8).collect();
+    let mut dst = vec![0u8; N * STRIDE];
+    let rs = t.register(src.as_ptr(), src.len()).unwrap();
+    let rd = t
+        .register(dst.as_mut_ptr(), dst.len())
+        .unwrap()
+        .allow_peer_writes();
+    let sender = std::thread::spawn(move || {
+        // SAFETY: src lives in this thread until every send is done.
+        let reqs: Vec<_> = (0..N)
+            .map(|i| unsafe { c1.isend(&rs, i * LEN, LEN, i as u128) }.unwrap())
+            .collect();
+        let deadline = soon();
+        while !reqs.iter().all(|r| c1.is_done(*r)) {
+            assert!(Instant::now() < deadline, "the sends did not finish");
+            c1.progress().unwrap();
+        }
+        drop(src);
+        c1
+    });
+    // SAFETY: dst outlives the requests and is read only once each is done.
+    let reqs: Vec<_> = (0..N)
+        .map(|i| unsafe { c0.irecv(&rd, i * STRIDE, LEN, i as u128) }.unwrap())
+        .collect();
+    let (mut next, deadline) = (0, soon());
+    while next < N {
+        assert!(Instant::now() < deadline, "the receives did not finish");
+        c0.progress().unwrap();
+        while next < N && c0.is_done(reqs[next]) {
+            // Away for a while, as a reduction of what landed would be
+            // (sleeping: on a loaded machine the sender needs the core).
+            std::thread::sleep(Duration::from_micros(100));
+            next += 1;
+        }
+    }
+    let _c1 = sender.join().unwrap();
+    let want: Vec<u8> = (0..N * LEN).map(|i| (i * 13 % 251) as u8).collect();
+    for i in 0..N {
+        assert!(
+            dst[i * STRIDE..][..LEN] == want[i * LEN..][..LEN],
+            "message {i} differs"
+        );
+        assert!(
+            dst[i * STRIDE + LEN..][..STRIDE - LEN]
+                .iter()
+                .all(|b| *b == 0),
+            "bytes after message {i}"
+        );
+    }
+}
+
 fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
     // Close lengths, and lengths far apart both ways (over TCP, a small and
     // a large message travel on different streams).
@@ -278,6 +341,12 @@ macro_rules! contract {
             fn messages_arrive_whole_and_in_order() {
                 if $ready() {
                     super::messages_arrive_whole_and_in_order($factory)
+                }
+            }
+            #[test]
+            fn receives_peers_may_write_arrive_whole() {
+                if $ready() {
+                    super::receives_peers_may_write_arrive_whole($factory)
                 }
             }
             #[test]

@@ -7,6 +7,9 @@
 //! release ordering; the consumer reads it after an acquire load of `head`
 //! and hands the slot back by storing `tail + 1`. `head - tail` never
 //! exceeds `SLOTS`: the free slots are the producer's credits.
+//!
+//! Beside each descriptor, a help word lets the two sides share the copying
+//! of [`Kind::Remote`] messages (see [`Help`]).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::ptr::NonNull;
@@ -25,10 +28,12 @@ pub(crate) const SLOT_BYTES: usize = 64 << 10;
 /// sides can, which saves a copy.
 pub(crate) const EAGER_MAX: usize = 32 << 10;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"COLLSHM1");
+const MAGIC: u64 = u64::from_le_bytes(*b"COLLSHM2");
 const LINE: usize = 128;
 const HEADER_BYTES: usize = 4096;
-const DESC_BYTES: usize = 64;
+/// A descriptor's line, then the help word's.
+const DESC_BYTES: usize = 128;
+const HELP_AT: usize = 64;
 const DIR_BYTES: usize = SLOTS as usize * (DESC_BYTES + SLOT_BYTES);
 
 /// Bytes of a whole segment.
@@ -60,7 +65,30 @@ pub(crate) struct Desc {
     pub kind: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Desc>() <= DESC_BYTES);
+const _: () = assert!(std::mem::size_of::<Desc>() <= HELP_AT);
+
+/// The states of a published [`Kind::Remote`] slot's help word. The
+/// receiver copies such a message itself (`process_vm_readv`) when it
+/// reaches it; while it works on an earlier one (reading it, or reducing
+/// what it received) it may offer the sender the copy of a later one, into
+/// memory the receive's owner lets peers write. Whoever moves the word on
+/// from `OFFERED` first does the copy; nothing is copied twice, and nothing
+/// is written into the receiver's memory after it took an offer back.
+pub(crate) struct Help;
+
+impl Help {
+    /// Published by the sender; the receiver will read it.
+    pub const NONE: u32 = 0;
+    /// The receiver wrote the destination beside the word and asks for help.
+    pub const OFFERED: u32 = 1;
+    /// The sender took the offer and is writing (`process_vm_writev`).
+    pub const WRITING: u32 = 2;
+    /// The sender wrote the whole message.
+    pub const WRITTEN: u32 = 3;
+    /// The receiver took the offer back (or the sender could not write):
+    /// the receiver reads the message itself.
+    pub const DECLINED: u32 = 4;
+}
 
 /// Header field offsets: each counter on its own cache line(s) so the
 /// producer's and consumer's stores do not fight over a line.
@@ -68,6 +96,7 @@ const HEAD: [usize; 2] = [LINE, 2 * LINE];
 const TAIL: [usize; 2] = [3 * LINE, 4 * LINE];
 const SLEEPING: [usize; 2] = [5 * LINE, 6 * LINE];
 const ABORTED: usize = 7 * LINE;
+const CORE_SHARED: [usize; 2] = [8 * LINE, 9 * LINE];
 
 /// A mapped segment.
 pub(crate) struct Segment {
@@ -142,7 +171,7 @@ impl Segment {
     }
 
     fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
-        // SAFETY: offset is a header field, 8-aligned, inside the mapping,
+        // SAFETY: offset is a header field or help word, 8-aligned, inside the mapping,
         // which lives as long as &self; AtomicU64 has u64's layout.
         unsafe { &*(self.base.as_ptr().add(offset) as *const AtomicU64) }
     }
@@ -172,6 +201,12 @@ impl Segment {
         self.atomic_u32(ABORTED)
     }
 
+    /// Set by `side` while its core is shared with other work: its peer
+    /// then offers it no copies (see [`Help`]).
+    pub fn core_shared(&self, side: usize) -> &AtomicU32 {
+        self.atomic_u32(CORE_SHARED[side])
+    }
+
     fn dir_base(&self, dir: usize) -> *mut u8 {
         // SAFETY: both directions lie inside the mapping.
         unsafe { self.base.as_ptr().add(HEADER_BYTES + dir * DIR_BYTES) }
@@ -189,6 +224,12 @@ impl Segment {
         let at = (seq % SLOTS) as usize * DESC_BYTES;
         // SAFETY: in bounds; the slot is published and not yet handed back.
         unsafe { (self.dir_base(dir).add(at) as *const Desc).read_volatile() }
+    }
+
+    /// Slot `seq`'s help word on `dir`, and the destination offered with it.
+    pub fn help(&self, dir: usize, seq: u64) -> (&AtomicU32, &AtomicU64) {
+        let at = HEADER_BYTES + dir * DIR_BYTES + (seq % SLOTS) as usize * DESC_BYTES + HELP_AT;
+        (self.atomic_u32(at), self.atomic_u64(at + 8))
     }
 
     /// Slot `seq`'s data area on `dir`.
