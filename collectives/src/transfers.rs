@@ -46,10 +46,7 @@ impl Staging {
             transports.iter().copied(),
             storage.as_mut_ptr().cast(),
             slot_bytes * slots,
-        )?
-        // The communicator owns the slots and drops its connections first
-        // (field order): a peer may copy a chunk in while we reduce another.
-        .allow_peer_writes();
+        )?;
         Ok(Staging {
             storage,
             mr,

@@ -50,7 +50,8 @@ impl MemRegion {
     /// instead of leaving every copy to the receiver. The owner promises
     /// more than the receive contract: the range stays mapped until every
     /// connection that received into it is aborted or dropped, even after a
-    /// failed call (long-lived memory such as staging slots qualifies).
+    /// failed call (the collectives' call buffers qualify: a failed call
+    /// aborts its connections before it returns).
     pub fn allow_peer_writes(mut self) -> Self {
         self.peer_writes = true;
         self
