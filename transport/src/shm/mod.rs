@@ -7,8 +7,10 @@
 //! through the slots (two copies, no system call); large ones are described
 //! in a slot and read by the receiver straight from the sender's memory with
 //! `process_vm_readv` (cross-memory attach, one copy, as Open MPI's shared
-//! memory path does) when both sides may. The Unix socket stays open beside
-//! the rings as doorbell, abort channel and death detector.
+//! memory path does) when both sides may; into memory whose owner allows
+//! it, the sender may copy one itself while the receiver is busy with
+//! another (`segment::Help`). The Unix socket stays open beside the rings
+//! as doorbell, abort channel and death detector.
 //!
 //! Listening addresses are abstract Unix socket names: nothing on disk, and
 //! private to the network namespace, like the host identity the bootstrap
