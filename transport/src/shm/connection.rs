@@ -349,14 +349,15 @@ impl ShmConnection {
 
     /// Takes back the offers the sender has not taken up and waits (up to a
     /// second: a stopped sender must not hang an abort) for a write it did
-    /// take up, so nothing lands in our memory after an abort or drop.
+    /// take up, so nothing lands in our memory after an abort or drop. A
+    /// sender whose process is gone (its socket hung up) writes no more.
     fn revoke_offers(&mut self) {
         let dir = self.in_dir();
         for seq in self.tail..self.offered {
             let word = self.seg.help(dir, seq).0;
             let cas = word.compare_exchange(Help::OFFERED, Help::DECLINED, OBSERVE, OBSERVE);
             let start = Instant::now();
-            while cas.is_err() && word.load(OBSERVE) == Help::WRITING {
+            while cas.is_err() && !self.peer_gone && word.load(OBSERVE) == Help::WRITING {
                 if start.elapsed() > Duration::from_secs(1) {
                     tracing::warn!(peer = self.peer, "gave up waiting for the peer's write");
                     break;

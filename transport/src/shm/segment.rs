@@ -171,8 +171,9 @@ impl Segment {
     }
 
     fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
-        // SAFETY: offset is a header field or help word, 8-aligned, inside the mapping,
-        // which lives as long as &self; AtomicU64 has u64's layout.
+        // SAFETY: offset is a header field or help word, 8-aligned, inside
+        // the mapping, which lives as long as &self; AtomicU64 has u64's
+        // layout.
         unsafe { &*(self.base.as_ptr().add(offset) as *const AtomicU64) }
     }
 
