@@ -14,6 +14,7 @@ rank. Exit status 1 if not.
 """
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -100,6 +101,13 @@ if rank == 0:
         print(f"# step time collectives / gloo: {summary['collectives'][1] / summary['gloo'][1]:.2f}")
         ok &= worst < 1e-4 and wdiff < 1e-4
     print("ddp ok" if ok else "ddp FAILED", flush=True)
+# Each DDP model holds its process group: dropped first, so that the groups
+# are torn down below, in order, and not by the interpreter at exit, where
+# a Gloo group once took a rank down in CI after "ddp ok" ("terminate called
+# without an active exception", from C++).
+del net, run
+runs.clear()
+gc.collect()
 if "gloo" in groups and groups["gloo"] is not dist.group.WORLD:
     # The Gloo group goes first, on every rank, before any rank exits and
     # closes its sockets (see embedding_exchange.py).
