@@ -203,7 +203,7 @@ impl ShmConnection {
         let mut moved = false;
         let mut available = self.seg.head(dir).load(OBSERVE);
         while !self.recvs.is_empty() && self.tail < available {
-            moved |= self.offer_help();
+            moved |= self.offer_help(available);
             let desc = self.seg.read_desc(dir, self.tail);
             let Some(read) = self.take_fragment(desc)? else {
                 break; // the sender is writing it
@@ -229,24 +229,26 @@ impl ShmConnection {
     /// one while we read or reduce this one. One at a time: a sender given
     /// several writes them in turn while we wait for the first, where we
     /// could have read the second. With remote reads every message takes
-    /// one slot, so slot `tail + 1` is the second receive's.
-    fn offer_help(&mut self) -> bool {
+    /// one slot, so slot `tail + 1` is the second receive's. `available`:
+    /// the slots published, as the caller last read them. Our own state is
+    /// checked first: a small message's path reads no shared line for this.
+    fn offer_help(&mut self, available: u64) -> bool {
         let (dir, next) = (self.in_dir(), self.tail + 1);
-        let peer_busy = self.seg.core_shared(1 - self.side).load(Ordering::Relaxed) != 0;
-        if !self.remote_reads || peer_busy || self.offered > next {
+        if !self.remote_reads || self.offered > next || next >= available {
             return false;
         }
         let Some(inc) = self.recvs.get(1) else {
             return false; // not posted yet: consider it when it is
         };
-        if next >= self.seg.head(dir).load(OBSERVE) {
+        self.offered = next + 1;
+        let peer_busy = || self.seg.core_shared(1 - self.side).load(Ordering::Relaxed) != 0;
+        if !inc.peer_writes || peer_busy() {
             return false;
         }
-        self.offered = next + 1;
         // A remote message takes one slot, whole.
         let desc = self.seg.read_desc(dir, next);
         let fits = desc.tag == inc.tag && desc.msg_len as usize == inc.len;
-        if !(inc.peer_writes && desc.kind == Kind::Remote as u32 && fits) {
+        if !(desc.kind == Kind::Remote as u32 && fits) {
             return false;
         }
         let (word, addr) = self.seg.help(dir, next);
@@ -266,15 +268,14 @@ impl ShmConnection {
         let (dir, pid) = (self.out_dir(), self.peer_pid);
         let mut wrote = false;
         for out in self.sends.iter().take(self.publishing) {
-            let Some(seq) = out.last_slot.filter(|seq| out.remote && *seq >= freed) else {
+            let Some(seq) = self.offered_slot(out, freed) else {
                 continue;
             };
             let (word, addr) = self.seg.help(dir, seq);
-            if word.load(Ordering::Relaxed) != Help::OFFERED
-                || (word.compare_exchange(Help::OFFERED, Help::WRITING, OBSERVE, Ordering::Relaxed))
-                    .is_err()
-            {
-                continue;
+            let cas =
+                word.compare_exchange(Help::OFFERED, Help::WRITING, OBSERVE, Ordering::Relaxed);
+            if cas.is_err() {
+                continue; // the receiver took it back
             }
             let done = match write_remote(
                 pid,
@@ -297,17 +298,19 @@ impl ShmConnection {
         wrote
     }
 
-    /// Whether the receiver offered us a copy we have not taken up.
+    /// Whether the receiver offered us a copy we would take up.
     fn help_wanted(&self, freed: u64) -> bool {
         self.recvs.is_empty()
-            && self.sends.iter().take(self.publishing).any(|out| {
-                out.last_slot.is_some_and(|seq| {
-                    out.remote
-                        && seq >= freed
-                        && self.seg.help(self.out_dir(), seq).0.load(Ordering::Relaxed)
-                            == Help::OFFERED
-                })
-            })
+            && (self.sends.iter().take(self.publishing))
+                .any(|out| self.offered_slot(out, freed).is_some())
+    }
+
+    /// Sender: the slot of published send `out`, if the receiver has not
+    /// handed it back (`freed`) and offers us its copy.
+    fn offered_slot(&self, out: &Outgoing, freed: u64) -> Option<u64> {
+        let seq = out.last_slot.filter(|seq| out.remote && *seq >= freed)?;
+        let word = self.seg.help(self.out_dir(), seq).0;
+        (word.load(Ordering::Relaxed) == Help::OFFERED).then_some(seq)
     }
 
     /// Tells the peer whether our core is shared with other work: a copy
@@ -393,14 +396,17 @@ impl ShmConnection {
         // the range was checked against it.
         let dst = unsafe { inc.data.add(offset) };
         let remote = desc.kind == Kind::Remote as u32;
-        let copy = if remote {
-            self.claim_copy(seq)
-        } else {
-            Some(true)
+        // Whether we read it from the sender's memory (else the sender
+        // wrote it, or it is in the slot).
+        let read = match remote {
+            true => match self.claim_copy(seq) {
+                Some(ours) => ours,
+                None => return Ok(None),
+            },
+            false => false,
         };
-        let Some(copy) = copy else { return Ok(None) };
         let inc = self.recvs.front_mut().expect("a receive is posted");
-        if remote && copy {
+        if read {
             read_remote(pid, desc.remote as usize, dst, len).map_err(|e| {
                 match e.raw_os_error() {
                     Some(libc::ESRCH) => Error::Closed { peer },
@@ -416,7 +422,7 @@ impl ShmConnection {
             self.recvs.pop_front();
             self.requests.complete(Direction::Recv);
         }
-        Ok(Some(remote && copy))
+        Ok(Some(read))
     }
 
     /// Wakes the peer if it sleeps. The fence pairs with the one in
