@@ -14,6 +14,32 @@ use crate::{DataType, ReduceOp};
 /// Sends in flight per peer (receives are bounded by the pipeline depth).
 pub(crate) const SEND_WINDOW: usize = 16;
 
+/// Zeroed u64s holding at least `len` bytes from byte `skip` on. From a
+/// huge page up, that start is a huge-page boundary and the range is advised
+/// into transparent huge pages (THP `madvise` mode): a peer's
+/// `process_vm_writev` into staging slots on 4 KiB pages, which it must walk
+/// and pin one by one, made 2-rank Reduce of 4-16 MiB in place 1.3-1.8x
+/// slower than the receiver reading; on huge pages it is 0.71x.
+fn huge_aligned(len: usize) -> (Vec<u64>, usize) {
+    const HUGE_PAGE: usize = 2 << 20;
+    if len < HUGE_PAGE {
+        return (vec![0u64; len.div_ceil(8)], 0);
+    }
+    let storage = vec![0u64; (len + HUGE_PAGE) / 8];
+    let start = storage.as_ptr() as usize;
+    let skip = start.next_multiple_of(HUGE_PAGE) - start;
+    // SAFETY: [start + skip, start + skip + len) lies inside `storage`;
+    // MADV_HUGEPAGE changes how the kernel backs it, not its contents.
+    let _ = unsafe {
+        rustix::mm::madvise(
+            (start + skip) as *mut _,
+            len,
+            rustix::mm::Advice::LinuxHugepage,
+        )
+    };
+    (storage, skip)
+}
+
 /// A caller buffer as the executor sees it.
 pub(crate) struct Region {
     pub ptr: *mut u8,
@@ -28,6 +54,8 @@ unsafe impl Send for Region {}
 /// Chunk-sized receive slots, registered once and reused by every call.
 pub(crate) struct Staging {
     storage: Vec<u64>,
+    /// Bytes from the start of `storage` to the first slot's.
+    skip: usize,
     mr: MemRegion,
     pub slot_bytes: usize,
     pub slots: usize,
@@ -41,14 +69,16 @@ impl Staging {
     ) -> transport::Result<Self> {
         // u64 storage keeps every slot aligned for any datatype.
         let slot_bytes = slot_bytes.next_multiple_of(64);
-        let mut storage = vec![0u64; slot_bytes * slots / 8];
-        let mr = transport::register_all(
-            transports.iter().copied(),
-            storage.as_mut_ptr().cast(),
-            slot_bytes * slots,
-        )?;
+        let len = slot_bytes * slots;
+        let (mut storage, skip) = huge_aligned(len);
+        let start = storage.as_mut_ptr() as usize + skip;
+        let mr = transport::register_all(transports.iter().copied(), start as *mut u8, len)?
+            // The communicator owns the slots and drops its connections first
+            // (field order): a peer may copy a chunk in while we reduce another.
+            .allow_peer_writes();
         Ok(Staging {
             storage,
+            skip,
             mr,
             slot_bytes,
             slots,
@@ -57,7 +87,7 @@ impl Staging {
 
     /// The bytes of `slot`'s first `len` bytes.
     fn slot(&self, slot: usize, len: usize) -> &[u8] {
-        &bytemuck::cast_slice(&self.storage)[slot * self.slot_bytes..][..len]
+        &bytemuck::cast_slice(&self.storage)[self.skip + slot * self.slot_bytes..][..len]
     }
 }
 

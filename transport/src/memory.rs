@@ -51,7 +51,8 @@ impl MemRegion {
     /// more than the receive contract: the range stays mapped until every
     /// connection that received into it is aborted or dropped, even after a
     /// failed call (the collectives' call buffers qualify: a failed call
-    /// aborts its connections before it returns).
+    /// aborts its connections before it returns; so do their staging
+    /// slots, which outlive the connections).
     pub fn allow_peer_writes(mut self) -> Self {
         self.peer_writes = true;
         self
