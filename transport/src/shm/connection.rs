@@ -10,6 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
+use super::costs::CopyCosts;
 use super::segment::{Desc, Help, Kind, Segment, EAGER_MAX, OBSERVE, PUBLISH, SLOTS, SLOT_BYTES};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
@@ -39,6 +40,8 @@ pub struct ShmConnection {
     tail: u64,
     /// Consumer: the next slot to consider offering the sender (see [`Help`]).
     offered: u64,
+    /// Consumer: whether offers pay (the sender's writes against our reads).
+    costs: CopyCosts,
     /// Set when we slept on the socket: drain it on the next progress.
     woke: bool,
     /// The control socket hung up: the peer exited or was killed.
@@ -96,6 +99,7 @@ impl ShmConnection {
             head: 0,
             tail: 0,
             offered: 0,
+            costs: CopyCosts::default(),
             woke: false,
             peer_gone: false,
             failed: None,
@@ -242,7 +246,7 @@ impl ShmConnection {
         };
         self.offered = next + 1;
         let peer_busy = || self.seg.core_shared(1 - self.side).load(Ordering::Relaxed) != 0;
-        if !inc.peer_writes || peer_busy() {
+        if !inc.peer_writes || peer_busy() || !self.costs.worth_offering() {
             return false;
         }
         // A remote message takes one slot, whole.
@@ -277,13 +281,19 @@ impl ShmConnection {
             if cas.is_err() {
                 continue; // the receiver took it back
             }
+            let start = Instant::now();
             let done = match write_remote(
                 pid,
                 addr.load(Ordering::Relaxed) as usize,
                 out.data,
                 out.len,
             ) {
-                Ok(()) => Help::WRITTEN,
+                Ok(()) => {
+                    // The receiver is done with the address: it learns
+                    // from this word how long the write took.
+                    addr.store(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    Help::WRITTEN
+                }
                 Err(e) => {
                     tracing::debug!(
                         peer = self.peer,
@@ -405,18 +415,24 @@ impl ShmConnection {
             },
             false => false,
         };
-        let inc = self.recvs.front_mut().expect("a receive is posted");
         if read {
+            let start = Instant::now();
             read_remote(pid, desc.remote as usize, dst, len).map_err(|e| {
                 match e.raw_os_error() {
                     Some(libc::ESRCH) => Error::Closed { peer },
                     _ => Error::io(Some(peer), "process_vm_readv", &e),
                 }
             })?;
-        } else if !remote {
+            self.costs.note_read(len, start.elapsed());
+        } else if remote {
+            // Written by the sender, who left the time it took (see `give_help`).
+            let took = self.seg.help(dir, seq).1.load(Ordering::Relaxed);
+            self.costs.note_write(len, took);
+        } else {
             // SAFETY: the slot is published to us and holds len bytes.
             unsafe { std::ptr::copy_nonoverlapping(self.seg.slot_data(dir, seq), dst, len) };
         }
+        let inc = self.recvs.front_mut().expect("a receive is posted");
         inc.received += len;
         if inc.received == inc.len {
             self.recvs.pop_front();

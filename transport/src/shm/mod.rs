@@ -17,6 +17,7 @@
 //! uses to decide which ranks share memory.
 
 mod connection;
+mod costs;
 mod segment;
 
 use std::io::{ErrorKind, Read, Write};

@@ -83,7 +83,8 @@ impl Help {
     pub const OFFERED: u32 = 1;
     /// The sender took the offer and is writing (`process_vm_writev`).
     pub const WRITING: u32 = 2;
-    /// The sender wrote the whole message.
+    /// The sender wrote the whole message, and in place of the destination
+    /// left how long that took, in nanoseconds (see `shm::costs`).
     pub const WRITTEN: u32 = 3;
     /// The receiver took the offer back (or the sender could not write):
     /// the receiver reads the message itself.
@@ -227,7 +228,8 @@ impl Segment {
         unsafe { (self.dir_base(dir).add(at) as *const Desc).read_volatile() }
     }
 
-    /// Slot `seq`'s help word on `dir`, and the destination offered with it.
+    /// Slot `seq`'s help word on `dir`, and the destination offered with it
+    /// (once `WRITTEN`, the write's duration).
     pub fn help(&self, dir: usize, seq: u64) -> (&AtomicU32, &AtomicU64) {
         let at = HEADER_BYTES + dir * DIR_BYTES + (seq % SLOTS) as usize * DESC_BYTES + HELP_AT;
         (self.atomic_u32(at), self.atomic_u64(at + 8))
