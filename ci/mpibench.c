@@ -23,7 +23,7 @@
 static int rank, nranks;
 
 /* A zeroed buffer of `bytes` on the memory collbench's buffers get
- * (bench.rs, `Buffer`): one of a huge page or more starts on a huge-page
+ * (collectives `HugeBuffer`): one of a huge page or more starts on a huge-page
  * boundary and is advised, whole, into transparent huge pages before the
  * first touch, so that both libraries read and write the same kind of pages
  * (4 KiB ones cost a single-copy read a page walk per 4 KiB) wherever malloc

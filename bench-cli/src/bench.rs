@@ -3,7 +3,7 @@
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use collectives::{Buffers, Collective, Communicator, DataType, ReduceOp};
+use collectives::{Buffers, Collective, Communicator, DataType, HugeBuffer, ReduceOp};
 
 use crate::cli::BenchArgs;
 use crate::data;
@@ -15,8 +15,8 @@ pub struct Bench<'a> {
     pub comm: &'a mut Communicator,
     pub args: &'a BenchArgs,
     pub collective: Collective,
-    send: Buffer,
-    recv: Buffer,
+    send: HugeBuffer,
+    recv: HugeBuffer,
     /// AllToAllv's split of the size being measured.
     skew: Option<Skew>,
     started: Instant,
@@ -70,8 +70,8 @@ impl<'a> Bench<'a> {
             comm,
             args,
             collective,
-            send: Buffer::new(max_bytes as usize),
-            recv: Buffer::new(recv_bytes),
+            send: HugeBuffer::new(max_bytes as usize),
+            recv: HugeBuffer::new(recv_bytes),
             skew: None,
             started: Instant::now(),
             logged: Instant::now(),
@@ -339,58 +339,6 @@ pub fn show_bar(rank: usize, k: usize, n: usize, started: Instant) {
     match k < n {
         true => eprint!("\r{}\x1b[K", bar(k, n, started)),
         false => eprint!("\r\x1b[K"),
-    }
-}
-
-/// A zeroed buffer of at least `bytes`. One of a huge page or more starts on
-/// a huge-page boundary and is advised, whole, into transparent huge pages
-/// where the kernel allows (`madvise` mode): first touch of 4 KiB pages runs
-/// at about 2 GB/s here, and a training framework's allocator would use huge
-/// pages for gradient buffers too. Aligned, because where `malloc`'s mapping
-/// happens to start decides otherwise how much of a call's first megabytes
-/// is left on 4 KiB pages, each of which a peer's single-copy read must walk
-/// and pin: up to 2 MiB, from run to run (4-rank AllGather of 1 MiB out of
-/// place, whose peers read each rank's input at offset 0: 58-141 us a call
-/// over runs, 55-64 aligned). `ci/mpibench.c` allocates the same way.
-struct Buffer {
-    raw: Vec<u64>,
-    /// Bytes from the start of `raw` to the buffer's.
-    skip: usize,
-}
-
-impl Buffer {
-    const HUGE: usize = 2 << 20;
-
-    fn new(bytes: usize) -> Self {
-        if bytes < Self::HUGE {
-            return Buffer {
-                raw: vec![0u64; bytes.div_ceil(8)],
-                skip: 0,
-            };
-        }
-        let len = bytes.next_multiple_of(Self::HUGE);
-        let raw = vec![0u64; (len + Self::HUGE) / 8];
-        let start = raw.as_ptr() as usize;
-        let skip = start.next_multiple_of(Self::HUGE) - start;
-        // SAFETY: [start + skip, start + skip + len) lies inside `raw`'s
-        // allocation; MADV_HUGEPAGE only changes how the kernel backs it,
-        // not its contents.
-        let _ = unsafe {
-            rustix::mm::madvise(
-                (start + skip) as *mut _,
-                len,
-                rustix::mm::Advice::LinuxHugepage,
-            )
-        };
-        Buffer { raw, skip }
-    }
-
-    fn bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(&self.raw)[self.skip..]
-    }
-
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        &mut bytemuck::cast_slice_mut(&mut self.raw)[self.skip..]
     }
 }
 

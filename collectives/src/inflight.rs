@@ -900,7 +900,7 @@ impl Communicator {
         // chunk while the next is copied in. Not what is only copied: read
         // by the receiver, it lands in the receiver's own cache. (Staging
         // slots, where in-place reductions receive, allow it always: see
-        // `transfers::huge_aligned`.)
+        // `HugeBuffer`.)
         let writes = desc.collective.reduces();
         run.input = match input {
             Some(b) => Some(

@@ -40,6 +40,7 @@ mod executor;
 #[cfg(test)]
 mod fuzz;
 mod group;
+mod huge_buffer;
 mod inflight;
 pub mod log;
 mod mesh;
@@ -66,6 +67,7 @@ pub use datatype::{DataType, Element};
 pub use descriptor::{CallDesc, Collective};
 pub use error::{Error, ErrorKind, Result};
 pub use group::{Group, FUSE_MAX_BYTES};
+pub use huge_buffer::HugeBuffer;
 pub use nonblocking::{AsyncCommunicator, Handle, Ticket};
 pub use recorder::{CallRecord, Dump, PeerStats, Stats, WaitRecord};
 pub use reduce::ReduceOp;

@@ -9,36 +9,10 @@ use transport::{Connection, MemRegion, Rank, Request, Tag};
 use crate::executor::{Effects, Execution, Source};
 use crate::reduce;
 use crate::schedule::{Action, Buf, Kind, Schedule, Span, Step};
-use crate::{DataType, ReduceOp};
+use crate::{DataType, HugeBuffer, ReduceOp};
 
 /// Sends in flight per peer (receives are bounded by the pipeline depth).
 pub(crate) const SEND_WINDOW: usize = 16;
-
-/// Zeroed u64s holding at least `len` bytes from byte `skip` on. From a
-/// huge page up, that start is a huge-page boundary and the range is advised
-/// into transparent huge pages (THP `madvise` mode): a peer's
-/// `process_vm_writev` into staging slots on 4 KiB pages, which it must walk
-/// and pin one by one, made 2-rank Reduce of 4-16 MiB in place 1.3-1.8x
-/// slower than the receiver reading; on huge pages it is 0.71x.
-fn huge_aligned(len: usize) -> (Vec<u64>, usize) {
-    const HUGE_PAGE: usize = 2 << 20;
-    if len < HUGE_PAGE {
-        return (vec![0u64; len.div_ceil(8)], 0);
-    }
-    let storage = vec![0u64; (len + HUGE_PAGE) / 8];
-    let start = storage.as_ptr() as usize;
-    let skip = start.next_multiple_of(HUGE_PAGE) - start;
-    // SAFETY: [start + skip, start + skip + len) lies inside `storage`;
-    // MADV_HUGEPAGE changes how the kernel backs it, not its contents.
-    let _ = unsafe {
-        rustix::mm::madvise(
-            (start + skip) as *mut _,
-            len,
-            rustix::mm::Advice::LinuxHugepage,
-        )
-    };
-    (storage, skip)
-}
 
 /// A caller buffer as the executor sees it.
 pub(crate) struct Region {
@@ -53,9 +27,7 @@ unsafe impl Send for Region {}
 
 /// Chunk-sized receive slots, registered once and reused by every call.
 pub(crate) struct Staging {
-    storage: Vec<u64>,
-    /// Bytes from the start of `storage` to the first slot's.
-    skip: usize,
+    storage: HugeBuffer,
     mr: MemRegion,
     pub slot_bytes: usize,
     pub slots: usize,
@@ -67,18 +39,18 @@ impl Staging {
         slot_bytes: usize,
         slots: usize,
     ) -> transport::Result<Self> {
-        // u64 storage keeps every slot aligned for any datatype.
+        // Slots of whole cache lines in 8-byte-aligned storage stay aligned
+        // for any datatype; on huge pages, a peer writes them fast.
         let slot_bytes = slot_bytes.next_multiple_of(64);
         let len = slot_bytes * slots;
-        let (mut storage, skip) = huge_aligned(len);
-        let start = storage.as_mut_ptr() as usize + skip;
-        let mr = transport::register_all(transports.iter().copied(), start as *mut u8, len)?
+        let mut storage = HugeBuffer::new(len);
+        let start = storage.bytes_mut().as_mut_ptr();
+        let mr = transport::register_all(transports.iter().copied(), start, len)?
             // The communicator owns the slots and drops its connections first
             // (field order): a peer may copy a chunk in while we reduce another.
             .allow_peer_writes();
         Ok(Staging {
             storage,
-            skip,
             mr,
             slot_bytes,
             slots,
@@ -87,7 +59,7 @@ impl Staging {
 
     /// The bytes of `slot`'s first `len` bytes.
     fn slot(&self, slot: usize, len: usize) -> &[u8] {
-        &bytemuck::cast_slice(&self.storage)[self.skip + slot * self.slot_bytes..][..len]
+        &self.storage.bytes()[slot * self.slot_bytes..][..len]
     }
 }
 

@@ -10,7 +10,7 @@ use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
-use super::costs::CopyCosts;
+use super::costs::{self, CopyCosts};
 use super::segment::{Desc, Help, Kind, Segment, EAGER_MAX, OBSERVE, PUBLISH, SLOTS, SLOT_BYTES};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
@@ -246,13 +246,15 @@ impl ShmConnection {
         };
         self.offered = next + 1;
         let peer_busy = || self.seg.core_shared(1 - self.side).load(Ordering::Relaxed) != 0;
-        if !inc.peer_writes || peer_busy() || !self.costs.worth_offering() {
+        if !inc.peer_writes || peer_busy() {
             return false;
         }
-        // A remote message takes one slot, whole.
+        // A remote message takes one slot, whole. Only such a candidate
+        // counts towards the costs' probes.
         let desc = self.seg.read_desc(dir, next);
         let fits = desc.tag == inc.tag && desc.msg_len as usize == inc.len;
-        if !(desc.kind == Kind::Remote as u32 && fits) {
+        let remote = desc.kind == Kind::Remote as u32;
+        if !(remote && fits && self.costs.worth_offering()) {
             return false;
         }
         let (word, addr) = self.seg.help(dir, next);
@@ -281,7 +283,7 @@ impl ShmConnection {
             if cas.is_err() {
                 continue; // the receiver took it back
             }
-            let start = Instant::now();
+            let start = costs::timer(out.len);
             let done = match write_remote(
                 pid,
                 addr.load(Ordering::Relaxed) as usize,
@@ -291,7 +293,7 @@ impl ShmConnection {
                 Ok(()) => {
                     // The receiver is done with the address: it learns
                     // from this word how long the write took.
-                    addr.store(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    addr.store(costs::elapsed_ns(start), Ordering::Relaxed);
                     Help::WRITTEN
                 }
                 Err(e) => {
@@ -416,14 +418,14 @@ impl ShmConnection {
             false => false,
         };
         if read {
-            let start = Instant::now();
+            let start = costs::timer(len);
             read_remote(pid, desc.remote as usize, dst, len).map_err(|e| {
                 match e.raw_os_error() {
                     Some(libc::ESRCH) => Error::Closed { peer },
                     _ => Error::io(Some(peer), "process_vm_readv", &e),
                 }
             })?;
-            self.costs.note_read(len, start.elapsed());
+            self.costs.note_read(len, start);
         } else if remote {
             // Written by the sender, who left the time it took (see `give_help`).
             let took = self.seg.help(dir, seq).1.load(Ordering::Relaxed);

@@ -10,7 +10,7 @@
 //! keeps both speeds and stops offering while writes are much the slower,
 //! offering one message in [`PROBE_EVERY`] meanwhile to see them recover.
 
-use std::time::Duration;
+use std::time::Instant;
 
 /// Offers stop while the sender's writes take more than this many times
 /// as long per byte as our reads.
@@ -45,18 +45,33 @@ pub(super) struct CopyCosts {
     passed: u32,
 }
 
+/// The clock at the start of a copy of `bytes`, if it is one to time: the
+/// smaller ones cost two clock reads for nothing.
+pub(super) fn timer(bytes: usize) -> Option<Instant> {
+    (bytes >= MIN_TIMED).then(Instant::now)
+}
+
+/// Nanoseconds since `start` (from [`timer`]); 0 for an untimed copy.
+pub(super) fn elapsed_ns(start: Option<Instant>) -> u64 {
+    start.map_or(0, |s| s.elapsed().as_nanos() as u64)
+}
+
 impl CopyCosts {
-    /// We read `bytes` of the sender's memory in `took`.
-    pub fn note_read(&mut self, bytes: usize, took: Duration) {
-        if bytes >= MIN_TIMED {
-            self.read.note(bytes, took.as_nanos() as u64);
-        }
+    /// We read `bytes` of the sender's memory, started at `start` (from
+    /// [`timer`]).
+    pub fn note_read(&mut self, bytes: usize, start: Option<Instant>) {
+        self.note(bytes, elapsed_ns(start), |c| &mut c.read);
     }
 
-    /// The sender wrote `bytes` into our memory in `ns` nanoseconds.
+    /// The sender wrote `bytes` into our memory in `ns` nanoseconds (0: it
+    /// did not time them).
     pub fn note_write(&mut self, bytes: usize, ns: u64) {
+        self.note(bytes, ns, |c| &mut c.write);
+    }
+
+    fn note(&mut self, bytes: usize, ns: u64, rate: fn(&mut Self) -> &mut Rate) {
         if bytes >= MIN_TIMED && ns > 0 {
-            self.write.note(bytes, ns);
+            rate(self).note(bytes, ns);
         }
     }
 
@@ -82,7 +97,7 @@ mod tests {
 
     fn costs(read_us: u64, write_us: u64) -> CopyCosts {
         let mut c = CopyCosts::default();
-        c.note_read(MIB, Duration::from_micros(read_us));
+        c.note(MIB, read_us * 1000, |c| &mut c.read);
         c.note_write(MIB, write_us * 1000);
         c
     }
@@ -91,7 +106,7 @@ mod tests {
     fn offers_until_both_speeds_are_known() {
         let mut c = CopyCosts::default();
         assert!(c.worth_offering());
-        c.note_read(MIB, Duration::from_micros(24));
+        c.note_read(MIB, timer(MIB));
         assert!(c.worth_offering());
     }
 
@@ -120,9 +135,11 @@ mod tests {
 
     #[test]
     fn small_copies_are_not_timed() {
+        assert!(timer(MIN_TIMED - 1).is_none() && timer(MIN_TIMED).is_some());
         let mut c = costs(24, 60);
         for _ in 0..16 {
             c.note_write(4096, 1);
+            c.note_read(4096, None);
         }
         assert!(!c.worth_offering());
     }
