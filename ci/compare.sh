@@ -12,11 +12,14 @@
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
-#                 [--busy] [--fresh]
+#                 [--busy [--idle DIR]] [--fresh]
 #
 # --busy: a busy loop pinned to the last core runs throughout (a data
 # loader, a noisy neighbour: a training host is never idle), for every
-# library alike.
+# library alike. --idle DIR (the raw results of an idle run with the same
+# --sizes, as its last line prints them: the largest size decides whether
+# buffers get huge pages) adds how many times slower than idle each
+# library is.
 #
 # --fresh: every library rewrites each call's input before the call
 # (collbench --fresh), as a training step leaves fresh gradients. Without
@@ -33,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0 fresh=
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0 fresh= idle=
 collectives="allreduce alltoall reducescatter allgather broadcast reduce"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -43,6 +46,7 @@ while [ $# -gt 0 ]; do
     --collectives) collectives=$2; shift 2 ;;
     --busy) busy=1; shift ;;
     --fresh) fresh=--fresh; shift ;;
+    --idle) idle=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -113,7 +117,7 @@ for rep in $(seq "$reps"); do
 done
 echo
 status=0
-"$python" ci/compare_table.py "$results" || status=$?
+"$python" ci/compare_table.py "$results" $idle || status=$?
 # One chart per collective: every library at every rank count.
 for coll in $collectives; do
   target/release/collbench plot "$results"/series-"$coll"-*.json -o "$out/$coll.svg" >&2 ||

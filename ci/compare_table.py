@@ -5,7 +5,11 @@ where time is what matters), Open MPI's and Gloo's, and the ratios: the
 median of the repetitions' ratios, each between runs made one after the
 other (the machine's speed drifts between repetitions, see ci/ab.py).
 
-    compare_table.py RESULTS_DIR
+    compare_table.py RESULTS_DIR [IDLE_RESULTS_DIR]
+
+With a second directory (an idle run's, RESULTS_DIR being a `--busy` one),
+each row also gets how many times slower than idle ours and Open MPI's
+medians are, a row over issue 11's limit of 3x marked `!`.
 """
 import glob
 import json
@@ -24,8 +28,8 @@ def human(b):
         b /= 1024
 
 
-def main(d):
-    # res[(coll, n, size, impl, mode)] = {rep: value}; value = (time_us, busbw, wrong)
+def load(d):
+    """res[(coll, n, size, impl, mode)] = {rep: (time_us, busbw, wrong)}"""
     res = defaultdict(dict)
     for path in glob.glob(os.path.join(d, "ours-*.json")):
         _, coll, n, rep = os.path.basename(path)[:-5].split("-")
@@ -45,16 +49,38 @@ def main(d):
             elif len(f) == 5 and impl == "gloo":
                 mode = "in_place" if coll == "allreduce" else "out_of_place"
                 res[(coll, int(n), int(f[0]), "gloo", mode)][rep] = (float(f[2]), float(f[3]), int(f[4]))
+    return res
+
+
+def median_of(res, key, i):
+    vals = res.get(key)
+    return statistics.median(v[i] for v in vals.values()) if vals else None
+
+
+SLOWDOWN_LIMIT = 3.0  # issue 11: busy at most 3x slower than idle
+
+
+def main(d, idle_dir=None):
+    res = load(d)
+    idle = load(idle_dir) if idle_dir else None
 
     def med(key, i):
-        vals = res.get(key)
-        return statistics.median(v[i] for v in vals.values()) if vals else None
+        return median_of(res, key, i)
+
+    def slowdown(key, i):
+        # busy over idle time: for bandwidth, idle over busy.
+        busy, calm = med(key, i), median_of(idle, key, i)
+        if not busy or not calm:
+            return None
+        return busy / calm if i == 0 else calm / busy
 
     keys = sorted({(c, n, s) for (c, n, s, _, _) in res})
     have_gloo = any(k[3] == "gloo" for k in res)
     head = f"{'collective':<13} {'n':>2} {'size':>8} {'mode':<6} {'metric':<9} {'ours':>9} {'Open MPI':>9} {'ratio':>6}"
     if have_gloo:
         head += f" {'Gloo':>9} {'ratio':>6}"
+    if idle:
+        head += f" {'x idle':>7} {'MPI x':>6}"
     print(head)
     print("-" * len(head))
     wrong = 0
@@ -81,9 +107,16 @@ def main(d):
             if have_gloo:
                 g = med((coll, n, size, "gloo", mode), i)
                 row += f" {g:>9.2f} {ratio('gloo'):>6}" if g is not None else f" {'-':>9} {'-':>6}"
+            if idle:
+                ours_x, mpi_x = slowdown(ours_key, i), slowdown((coll, n, size, "mpi", mode), i)
+                mark = "!" if ours_x and ours_x > SLOWDOWN_LIMIT else " "
+                row += f" {ours_x:>6.2f}{mark}" if ours_x else f" {'-':>6} "
+                row += f" {mpi_x:>6.2f}" if mpi_x else f" {'-':>6}"
             print(row)
     print(f"\nratio > 1: we are ahead (more bandwidth, or less time below {LATENCY_BYTES} B): the median of the"
           f" repetitions' ratios; values: medians of the repetitions; wrong values in all runs: {wrong}")
+    if idle:
+        print(f"x idle / MPI x: times slower than the idle run in {idle_dir} (ours / Open MPI; '!' over {SLOWDOWN_LIMIT:g}x)")
     print(line_round_trips(d))
     write_series(res, keys, d)
     return 1 if wrong else 0
@@ -123,4 +156,4 @@ def write_series(res, keys, d):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(*sys.argv[1:3]))
