@@ -117,7 +117,7 @@ for rep in $(seq "$reps"); do
 done
 echo
 status=0
-"$python" ci/compare_table.py "$results" $idle || status=$?
+"$python" ci/compare_table.py "$results" ${idle:+"$idle"} || status=$?
 # One chart per collective: every library at every rank count.
 for coll in $collectives; do
   target/release/collbench plot "$results"/series-"$coll"-*.json -o "$out/$coll.svg" >&2 ||

@@ -898,9 +898,8 @@ impl Communicator {
         // The sender may write what a reduction receives (see
         // `MemRegion::allow_peer_writes`): the receiver then reduces one
         // chunk while the next is copied in. Not what is only copied: read
-        // by the receiver, it lands in the receiver's own cache. (Staging
-        // slots, where in-place reductions receive, allow it always: see
-        // `HugeBuffer`.)
+        // by the receiver, it lands in the receiver's own cache. Staging
+        // slots follow the call's buffers (`Transfers::post`).
         let writes = desc.collective.reduces();
         run.input = match input {
             Some(b) => Some(

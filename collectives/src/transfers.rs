@@ -45,10 +45,10 @@ impl Staging {
         let len = slot_bytes * slots;
         let mut storage = HugeBuffer::new(len);
         let start = storage.bytes_mut().as_mut_ptr();
-        let mr = transport::register_all(transports.iter().copied(), start, len)?
-            // The communicator owns the slots and drops its connections first
-            // (field order): a peer may copy a chunk in while we reduce another.
-            .allow_peer_writes();
+        // Peers may write the slots during reductions (`Transfers::post`):
+        // the communicator owns them and drops its connections first (field
+        // order), as `MemRegion::allow_peer_writes` asks.
+        let mr = transport::register_all(transports.iter().copied(), start, len)?;
         Ok(Staging {
             storage,
             mr,
@@ -101,11 +101,17 @@ impl Effects for Transfers<'_> {
                         span.len, self.staging.slot_bytes
                     )));
                 }
-                (&self.staging.mr, slot * self.staging.slot_bytes)
+                // A peer may write a slot when it may write the call's
+                // own buffers: in reductions (see `Communicator::begin`).
+                let mr = self.staging.mr.clone();
+                let mr = match self.output.mr.peer_writes() {
+                    true => mr.allow_peer_writes(),
+                    false => mr,
+                };
+                (mr, slot * self.staging.slot_bytes)
             }
-            None => (&self.region(span.buf).mr, span.offset),
+            None => (self.region(span.buf).mr.clone(), span.offset),
         };
-        let mr = mr.clone();
         let tag = tag.unwrap_or(self.tag);
         let (peer, send, len) = (step.peer(), step.is_send(), span.len);
         self.recorder.stats.count_message(peer, send, len);
