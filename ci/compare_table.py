@@ -6,10 +6,16 @@ median of the repetitions' ratios, each between runs made one after the
 other (the machine's speed drifts between repetitions, see ci/ab.py).
 
     compare_table.py RESULTS_DIR [IDLE_RESULTS_DIR]
+    compare_table.py RESULTS_DIR --reps COLLECTIVE RANKS SIZE
+
 
 With a second directory (an idle run's, RESULTS_DIR being a `--busy` one),
 each row also gets how many times slower than idle ours and Open MPI's
 medians are, a row over issue 11's limit of 3x marked `!`.
+
+--reps: one cell, repetition by repetition (time per call, both modes, and
+the cache-line round trip as the repetition began): whether a low median
+is one slow minute or every repetition (SIZE in bytes, or K/M/G).
 """
 import glob
 import json
@@ -122,11 +128,38 @@ def main(d, idle_dir=None):
     return 1 if wrong else 0
 
 
+def round_trips(d):
+    """The cache-line round trips (ns) measured as each repetition began."""
+    path = os.path.join(d, "linepingpong.txt")
+    return [float(l.split()[-2]) for l in open(path)] if os.path.exists(path) else []
+
+
+def reps(d, coll, n, size):
+    res = load(d)
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    size = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    ns = round_trips(d)
+    print(f"{coll}, {n} ranks, {human(size)}: time per call (us), out of place / in place")
+    print(f"{'rep':>3} {'round trip':>10} {'ours':>17} {'Open MPI':>17} {'ratio':>11}")
+    cells = {(impl, mode): res.get((coll, int(n), size, impl, mode), {})
+             for impl in ["ours", "mpi"] for mode in ["out_of_place", "in_place"]}
+    if not cells[("ours", "out_of_place")]:
+        print("no such cell in", d)
+        return 1
+    for rep in sorted(cells[("ours", "out_of_place")], key=int):
+        trip = f"{ns[int(rep) - 1]:.0f} ns" if int(rep) <= len(ns) else "-"
+        t = {k: v[rep][0] if rep in v else None for k, v in cells.items()}
+        pair = lambda impl: f"{t[(impl, 'out_of_place')] or 0:>8.1f}/{t[(impl, 'in_place')] or 0:<8.1f}"
+        ratio = lambda mode: f"{t[('mpi', mode)] / t[('ours', mode)]:.2f}" if t[("mpi", mode)] and t[("ours", mode)] else "-"
+        print(f"{rep:>3} {trip:>10} {pair('ours')} {pair('mpi')} {ratio('out_of_place'):>5}/{ratio('in_place'):<5}")
+    print("ratio: Open MPI's time over ours (> 1: we are ahead)")
+    return 0
+
+
 def line_round_trips(d):
     """The machine's mode: the cache-line round trips between cores 0 and 1
     measured as each repetition began (ci/linepingpong.c)."""
-    path = os.path.join(d, "linepingpong.txt")
-    ns = [float(l.split()[-2]) for l in open(path)] if os.path.exists(path) else []
+    ns = round_trips(d)
     if not ns:
         return "cache-line round trip between the cores: not measured"
     return "cache-line round trip between the cores as each repetition began: " + ", ".join(f"{x:.0f}" for x in ns) + " ns"
@@ -156,4 +189,7 @@ def write_series(res, keys, d):
 
 
 if __name__ == "__main__":
+    if "--reps" in sys.argv:
+        at = sys.argv.index("--reps")
+        sys.exit(reps(sys.argv[1], *sys.argv[at + 1:at + 4]))
     sys.exit(main(*sys.argv[1:3]))

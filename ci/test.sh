@@ -84,6 +84,7 @@ ci/python.sh
 if command -v mpicc.openmpi >/dev/null && command -v mpirun.openmpi >/dev/null; then
   step "comparison with Open MPI (smoke run: one repetition, 2 ranks)"
   ci/compare.sh --reps 1 --ranks 2 --sizes "8 1M" --collectives "allreduce alltoall reducescatter allgather broadcast reduce"
+  python3 ci/compare_table.py "$(ls -td target/compare/run.* | head -1)" --reps allreduce 2 1M
 else
   echo "note: no Open MPI; skipping the comparison smoke run (.ci/run installs it)"
 fi
