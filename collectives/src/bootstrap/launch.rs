@@ -119,7 +119,13 @@ pub fn run(job: &Launch) -> Result<Outcome, String> {
 
 /// The core each rank is bound to with [`Bind::Core`]: the i-th CPU this
 /// process may use for rank i, as mpirun binds by default. `None` when
-/// ranks outnumber cores (the scheduler must juggle them).
+/// ranks outnumber cores (the scheduler must juggle them). Binding them in
+/// blocks of neighbours (8 ranks on 2 cores: 0-3 on the first) was tried:
+/// idle it kept Rabenseifner's largest halves in one core's caches (4-rank
+/// AllReduce of 1 MiB in place 0.92x the time, 8 ranks in the ~500 ns
+/// minutes 0.57x; 4-rank Reduce of 1 MiB 1.19x), but with a busy loop on
+/// one core the ranks bound beside it starved the rest: 4-rank AllReduce of
+/// 8 B 381x, of 1 MiB 5.2x, Broadcast of 1 MiB 11.7x (`ci/ab.py ... --busy`).
 fn core_plan(nranks: usize) -> Option<Vec<usize>> {
     let allowed = rustix::thread::sched_getaffinity(None).ok()?;
     let cpus: Vec<usize> = (0..rustix::thread::CpuSet::MAX_CPU)
