@@ -8,7 +8,6 @@ other (the machine's speed drifts between repetitions, see ci/ab.py).
     compare_table.py RESULTS_DIR [IDLE_RESULTS_DIR]
     compare_table.py RESULTS_DIR --reps COLLECTIVE RANKS SIZE
 
-
 With a second directory (an idle run's, RESULTS_DIR being a `--busy` one),
 each row also gets how many times slower than idle ours and Open MPI's
 medians are, a row over issue 11's limit of 3x marked `!`.
@@ -23,6 +22,8 @@ import os
 import statistics
 import sys
 from collections import defaultdict
+
+from ab import in_bytes  # ci/ab.py's sizes: bytes, or K/M/G
 
 LATENCY_BYTES = 64  # below this, compare time, not bandwidth
 
@@ -135,23 +136,23 @@ def round_trips(d):
 
 
 def reps(d, coll, n, size):
+    """One cell, repetition by repetition (see --reps above)."""
     res = load(d)
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    size = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    ns = round_trips(d)
+    size = int(in_bytes(size))
+    trips = round_trips(d)
+    modes = ["out_of_place", "in_place"]
+    cell = {(impl, m): res.get((coll, int(n), size, impl, m), {}) for impl in ["ours", "mpi"] for m in modes}
+    if not cell[("ours", modes[0])]:
+        print(f"no {coll} of {n} ranks at {human(size)} in {d}")
+        return 1
     print(f"{coll}, {n} ranks, {human(size)}: time per call (us), out of place / in place")
     print(f"{'rep':>3} {'round trip':>10} {'ours':>17} {'Open MPI':>17} {'ratio':>11}")
-    cells = {(impl, mode): res.get((coll, int(n), size, impl, mode), {})
-             for impl in ["ours", "mpi"] for mode in ["out_of_place", "in_place"]}
-    if not cells[("ours", "out_of_place")]:
-        print("no such cell in", d)
-        return 1
-    for rep in sorted(cells[("ours", "out_of_place")], key=int):
-        trip = f"{ns[int(rep) - 1]:.0f} ns" if int(rep) <= len(ns) else "-"
-        t = {k: v[rep][0] if rep in v else None for k, v in cells.items()}
-        pair = lambda impl: f"{t[(impl, 'out_of_place')] or 0:>8.1f}/{t[(impl, 'in_place')] or 0:<8.1f}"
-        ratio = lambda mode: f"{t[('mpi', mode)] / t[('ours', mode)]:.2f}" if t[("mpi", mode)] and t[("ours", mode)] else "-"
-        print(f"{rep:>3} {trip:>10} {pair('ours')} {pair('mpi')} {ratio('out_of_place'):>5}/{ratio('in_place'):<5}")
+    for rep in sorted(cell[("ours", modes[0])], key=int):
+        trip = f"{trips[int(rep) - 1]:.0f} ns" if int(rep) <= len(trips) else "-"
+        ours, mpi = ([cell[(impl, m)].get(rep, (None,))[0] for m in modes] for impl in ["ours", "mpi"])
+        ratios = [f"{t / o:.2f}" if o and t else "-" for o, t in zip(ours, mpi)]
+        shown = lambda ts: "/".join(f"{t:.1f}" if t else "-" for t in ts)
+        print(f"{rep:>3} {trip:>10} {shown(ours):>17} {shown(mpi):>17} {'/'.join(ratios):>11}")
     print("ratio: Open MPI's time over ours (> 1: we are ahead)")
     return 0
 
