@@ -347,12 +347,33 @@ impl CallArgs {
 
     /// The checks that do not look at the buffers: op, root and peer, for
     /// a call with a send buffer (`out_of_place`) or without.
+    #[inline]
     pub(crate) fn check_roles(
         &self,
         rank: Rank,
         n: usize,
         out_of_place: bool,
     ) -> Result<(), String> {
+        // The common case in a few compares, inlined into every call; the
+        // rest (point-to-point, errors) is out of line.
+        let collective = self.collective;
+        let root_fits = match self.root {
+            Some(root) => collective.rooted() && root < n,
+            None => !collective.rooted(),
+        };
+        if collective.reduces() == self.op.is_some()
+            && root_fits
+            && self.peer.is_none()
+            && collective != Collective::PointToPoint
+        {
+            return Ok(());
+        }
+        self.diagnose_roles(rank, n, out_of_place)
+    }
+
+    /// [`check_roles`](Self::check_roles) in full: which check fails, if any.
+    #[inline(never)]
+    fn diagnose_roles(&self, rank: Rank, n: usize, out_of_place: bool) -> Result<(), String> {
         let collective = self.collective;
         if collective.reduces() != self.op.is_some() {
             let need = if self.op.is_some() {
@@ -439,6 +460,38 @@ impl CallArgs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_fast_role_check_agrees_with_the_full_one() {
+        let all = Collective::ALL.into_iter().chain([Collective::PointToPoint]);
+        let peers = [None, Some(Peer::To(1)), Some(Peer::From(1))];
+        let peers = peers.into_iter().chain([Some(Peer::To(0)), Some(Peer::To(4))]);
+        let peers: Vec<_> = peers.collect();
+        let mut accepted = 0;
+        for collective in all {
+            for op in [None, Some(ReduceOp::Sum)] {
+                for root in [None, Some(0), Some(3), Some(4)] {
+                    for &peer in &peers {
+                        let args = CallArgs {
+                            op,
+                            root,
+                            peer,
+                            ..CallArgs::new(collective, DataType::F32)
+                        };
+                        for out_of_place in [false, true] {
+                            let fast = args.check_roles(0, 4, out_of_place);
+                            let full = args.diagnose_roles(0, 4, out_of_place);
+                            assert_eq!(fast, full, "{args:?}, out of place {out_of_place}");
+                            accepted += fast.is_ok() as usize;
+                        }
+                    }
+                }
+            }
+        }
+        // Each of the 8 collectives in one valid shape (root 0 or 3 when
+        // rooted), both modes; a send to 1 out of place, a recv from 1 in place.
+        assert_eq!(accepted, 6 * 2 + 2 * 2 * 2 + 2);
+    }
 
     #[test]
     fn var_counts_are_checked() {

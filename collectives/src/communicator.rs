@@ -400,6 +400,7 @@ impl Communicator {
     /// in `calls.rs` for each one's buffers; point-to-point sends pass
     /// their buffer as the send half of `OutOfPlace` with an empty
     /// receive half, receives theirs `InPlace`).
+    #[inline]
     pub fn call(&mut self, args: &CallArgs, bufs: Buffers<'_>) -> Result<()> {
         let (input, output) = bufs.split();
         self.run(args, input, output)
@@ -453,6 +454,7 @@ impl Communicator {
 
     /// Runs one call to its end. Argument errors leave the communicator
     /// usable; any other failure aborts it and tells the peers why.
+    #[inline]
     pub(crate) fn run(
         &mut self,
         args: &CallArgs,

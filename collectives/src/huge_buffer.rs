@@ -48,10 +48,12 @@ impl HugeBuffer {
     }
 
     /// The buffer, 8-byte aligned (at least the bytes asked for).
+    #[inline]
     pub fn bytes(&self) -> &[u8] {
         &bytemuck::cast_slice(&self.raw)[self.skip..]
     }
 
+    #[inline]
     pub fn bytes_mut(&mut self) -> &mut [u8] {
         &mut bytemuck::cast_slice_mut(&mut self.raw)[self.skip..]
     }

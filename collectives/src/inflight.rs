@@ -289,6 +289,7 @@ impl Communicator {
     ///
     /// # Safety
     /// As [`start`](Self::start).
+    #[inline]
     pub(crate) unsafe fn run_raw(
         &mut self,
         args: &CallArgs,
@@ -298,6 +299,25 @@ impl Communicator {
         if args.moves_nothing(input.map(|b| b.len), output.len) {
             return self.nothing_to_move(args, input.is_some());
         }
+        // SAFETY: the caller's promise.
+        unsafe { self.run_moving(args, input, output) }
+    }
+
+    /// [`run_raw`](Self::run_raw) for a call with something to move: out
+    /// of line, so that a call of nothing, inlined into the caller, pays
+    /// for none of this one's stack frame (with the inlined fast path of
+    /// `check_roles`: 4-rank AllGather of 8 B, no element a rank, 0.012 ->
+    /// 0.005 us a call; Open MPI 0.004).
+    ///
+    /// # Safety
+    /// As [`start`](Self::start).
+    #[inline(never)]
+    unsafe fn run_moving(
+        &mut self,
+        args: &CallArgs,
+        input: Option<RawBuf>,
+        output: RawBuf,
+    ) -> Result<()> {
         // SAFETY: the caller's promise.
         let a = unsafe { self.admit(args, input, output)? };
         let (state, failure) = match self.alone(&a, input, output) {
