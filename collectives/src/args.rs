@@ -463,9 +463,13 @@ mod tests {
 
     #[test]
     fn the_fast_role_check_agrees_with_the_full_one() {
-        let all = Collective::ALL.into_iter().chain([Collective::PointToPoint]);
+        let all = Collective::ALL
+            .into_iter()
+            .chain([Collective::PointToPoint]);
         let peers = [None, Some(Peer::To(1)), Some(Peer::From(1))];
-        let peers = peers.into_iter().chain([Some(Peer::To(0)), Some(Peer::To(4))]);
+        let peers = peers
+            .into_iter()
+            .chain([Some(Peer::To(0)), Some(Peer::To(4))]);
         let peers: Vec<_> = peers.collect();
         let mut accepted = 0;
         for collective in all {
