@@ -12,7 +12,7 @@
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
-#                 [--busy [--idle DIR]] [--fresh]
+#                 [--busy [--idle DIR]] [--fresh] [--recheck N]
 #
 # --busy: a busy loop pinned to the last core runs throughout (a data
 # loader, a noisy neighbour: a training host is never idle), for every
@@ -31,12 +31,17 @@
 # round trip (ci/linepingpong.c) and the table lists them (under --busy the
 # busy loop shares a core with it: about twice as long).
 #
+# --recheck N: then runs every cell where Open MPI is ahead again, in N
+# pairs of runs side by side (ci/compare_table.py --recheck), under the
+# same conditions (the busy loop still runs): a cell behind in paired runs
+# too is a gap to work on, one ahead there was the sweep's minute.
+#
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0 fresh= idle=
+reps=3 ranks="2 4 8" sizes="8 1M 16M 256M" busy=0 fresh= idle= recheck=0
 collectives="allreduce alltoall reducescatter allgather broadcast reduce"
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -47,6 +52,7 @@ while [ $# -gt 0 ]; do
     --busy) busy=1; shift ;;
     --fresh) fresh=--fresh; shift ;;
     --idle) idle=$2; shift 2 ;;
+    --recheck) recheck=$2; shift 2 ;;
     -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac
@@ -118,6 +124,9 @@ done
 echo
 status=0
 "$python" ci/compare_table.py "$results" ${idle:+"$idle"} || status=$?
+if [ "$recheck" -gt 0 ]; then
+  "$python" ci/compare_table.py "$results" --recheck "$recheck" $fresh | tee "$results/recheck.txt"
+fi
 # One chart per collective: every library at every rank count.
 for coll in $collectives; do
   target/release/collbench plot "$results"/series-"$coll"-*.json -o "$out/$coll.svg" >&2 ||

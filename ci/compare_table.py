@@ -7,6 +7,7 @@ other (the machine's speed drifts between repetitions, see ci/ab.py).
 
     compare_table.py RESULTS_DIR [IDLE_RESULTS_DIR]
     compare_table.py RESULTS_DIR --reps COLLECTIVE RANKS SIZE
+    compare_table.py RESULTS_DIR --recheck ROUNDS [--fresh]
 
 With a second directory (an idle run's, RESULTS_DIR being a `--busy` one),
 each row also gets how many times slower than idle ours and Open MPI's
@@ -15,6 +16,13 @@ medians are, a row over issue 11's limit of 3x marked `!`.
 --reps: one cell, repetition by repetition (time per call, both modes, and
 the cache-line round trip as the repetition began): whether a low median
 is one slow minute or every repetition (SIZE in bytes, or K/M/G).
+
+--recheck: every cell below 1.0 against Open MPI, run again in ROUNDS
+pairs of runs side by side (ci/ab.py's), from the repository's root with
+target/release/collbench and target/compare/mpibench as ci/compare.sh
+leaves them: whether the cell is behind in paired runs too, or only in the
+sweep's minute. ci/compare.sh --recheck runs it while the sweep's
+conditions (its busy loop) still hold.
 """
 import glob
 import json
@@ -67,6 +75,49 @@ def median_of(res, key, i):
 SLOWDOWN_LIMIT = 3.0  # issue 11: busy at most 3x slower than idle
 
 
+def paired_ratio(res, coll, n, size, mode, impl):
+    """The median of the repetitions' ratios of `impl` to ours (> 1: we are
+    better: less time, or more bandwidth), or None without pairs."""
+    i = 0 if size < LATENCY_BYTES else 1
+    ours, theirs = res[(coll, n, size, "ours", mode)], res.get((coll, n, size, impl, mode), {})
+    pairs = [(ours[r][i], theirs[r][i]) for r in ours if r in theirs]
+    rs = [(t / o if i == 0 else o / t) for o, t in pairs if o and t]
+    return statistics.median(rs) if rs else None
+
+
+def recheck(d, rounds, fresh):
+    """Every cell where Open MPI is ahead, run again in `rounds` pairs (ci/ab.py's
+    runs, side by side): whether it is behind in paired runs too, or the
+    sweep's minute was (run while the sweep's conditions hold, e.g. its busy
+    loop)."""
+    from ab import run
+
+    res = load(d)
+    keys = sorted({(c, n, s, m) for (c, n, s, impl, m) in res if impl == "ours"})
+    below = [k for k in keys if (paired_ratio(res, *k, "mpi") or 1.0) < 1.0]
+    # The sweep's buffers got huge pages if its largest size reached 2 MiB.
+    huge = max(s for _, _, s, _ in keys) >= 2 << 20
+    print(f"\nrecheck: the {len(below)} cells below 1.0, {rounds} paired runs each"
+          f" (ci/ab.py; Open MPI's time over ours, > 1: we are ahead)")
+    behind = 0
+    for coll, n, size, mode in below:
+        ip = mode == "in_place"
+        ours, mpi = [], []
+        for r in range(rounds):
+            for impl in (["ours", "mpi"] if r % 2 == 0 else ["mpi", "ours"]):
+                binary = "target/release/collbench" if impl == "ours" else "mpi"
+                t = run(binary, coll, str(n), str(size), None, fresh, False, ip, huge)
+                (ours if impl == "ours" else mpi).append(t)
+        paired = statistics.median(m / o for o, m in zip(ours, mpi))
+        behind += paired < 1.0
+        sweep = paired_ratio(res, coll, n, size, mode, "mpi")
+        print(f"{coll:<13} {n:>2} {human(size):>8} {'ip' if ip else 'oop':<4} sweep {sweep:.2f}"
+              f"  paired {paired:.2f}  (ours {statistics.median(ours):.2f} us,"
+              f" Open MPI {statistics.median(mpi):.2f} us)", flush=True)
+    print(f"{behind} of {len(below)} behind in paired runs too")
+    return 0
+
+
 def main(d, idle_dir=None):
     res = load(d)
     idle = load(idle_dir) if idle_dir else None
@@ -102,11 +153,8 @@ def main(d, idle_dir=None):
             metric = "time us" if latency else "busbw GB/s"
 
             def ratio(impl):
-                # > 1 means we are better: less time, or more bandwidth.
-                ours, theirs = res[ours_key], res.get((coll, n, size, impl, mode), {})
-                pairs = [(ours[r][i], theirs[r][i]) for r in ours if r in theirs]
-                rs = [(t / o if latency else o / t) for o, t in pairs if o and t]
-                return f"{statistics.median(rs):.2f}" if rs else "-"
+                r = paired_ratio(res, coll, n, size, mode, impl)
+                return f"{r:.2f}" if r is not None else "-"
 
             mpi = med((coll, n, size, "mpi", mode), i)
             row = f"{coll:<13} {n:>2} {human(size):>8} {short:<6} {metric:<9} {med(ours_key, i):>9.2f} "
@@ -193,4 +241,7 @@ if __name__ == "__main__":
     if "--reps" in sys.argv:
         at = sys.argv.index("--reps")
         sys.exit(reps(sys.argv[1], *sys.argv[at + 1:at + 4]))
+    if "--recheck" in sys.argv:
+        at = sys.argv.index("--recheck")
+        sys.exit(recheck(sys.argv[1], int(sys.argv[at + 1]), "--fresh" in sys.argv))
     sys.exit(main(*sys.argv[1:3]))
