@@ -111,9 +111,9 @@ def recheck(d, rounds, fresh):
         paired = statistics.median(m / o for o, m in zip(ours, mpi))
         behind += paired < 1.0
         sweep = paired_ratio(res, coll, n, size, mode, "mpi")
+        us = lambda ts: f"{statistics.median(ts):.{3 if max(ts) < 1 else 1}f} us"
         print(f"{coll:<13} {n:>2} {human(size):>8} {'ip' if ip else 'oop':<4} sweep {sweep:.2f}"
-              f"  paired {paired:.2f}  (ours {statistics.median(ours):.2f} us,"
-              f" Open MPI {statistics.median(mpi):.2f} us)", flush=True)
+              f"  paired {paired:.2f}  (ours {us(ours)}, Open MPI {us(mpi)})", flush=True)
     print(f"{behind} of {len(below)} behind in paired runs too")
     return 0
 
