@@ -65,7 +65,7 @@ use std::time::Instant;
 
 pub use error::{Error, Result};
 pub use memory::{register_all, MemRegion, RegistrationCache};
-pub use poller::{Phase, Poller};
+pub use poller::{core_shared, Phase, Poller};
 
 #[cfg(target_os = "linux")]
 pub mod shm;

@@ -82,8 +82,8 @@ static CORE_SHARED: AtomicBool = AtomicBool::new(false);
 /// Whether this process's waiting thread last found its core shared with
 /// other work: a shared-memory sender then leaves every copy to its peer
 /// (its own copies would run at a fraction of a core, and its peer would
-/// wait for them).
-pub(crate) fn core_shared() -> bool {
+/// wait for them), and a receiver offers its peer every copy it can.
+pub fn core_shared() -> bool {
     CORE_SHARED.load(Ordering::Relaxed)
 }
 
@@ -227,8 +227,18 @@ impl Poller {
             return false;
         };
         if let Some((start, before)) = self.window {
-            self.contended = waited.saturating_sub(before) * 10 > now - start;
-            CORE_SHARED.store(self.contended, Ordering::Relaxed);
+            let queued = waited.saturating_sub(before);
+            self.contended = queued * 10 > now - start;
+            if CORE_SHARED.swap(self.contended, Ordering::Relaxed) != self.contended {
+                let share = 100.0 * queued.as_secs_f64() / (now - start).as_secs_f64();
+                let what = "waits poll less, peers take the copies";
+                match self.contended {
+                    true => tracing::info!(
+                        "this core is shared with other work ({share:.0}% of {WINDOW:?} waiting to run): {what}"
+                    ),
+                    false => tracing::info!("this core is no longer shared with other work"),
+                }
+            }
         }
         self.window = Some((now, waited));
         self.contended
