@@ -66,6 +66,16 @@ def run(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
     return json.loads(out)["rows"][0]["in_place" if ip else "out_of_place"]["time_us"]
 
 
+def paired_runs(bins, rounds, *args):
+    """Each binary's time per call (`run(b, *args)`) in `rounds` rounds, the
+    order reversed every other round: {binary: [time per round]}."""
+    times = {b: [] for b in bins}
+    for r in range(rounds):
+        for b in bins if r % 2 == 0 else bins[::-1]:
+            times[b].append(run(b, *args))
+    return times
+
+
 @contextlib.contextmanager
 def busy_loop(on):
     """A shell busy loop pinned to the last core while the block runs."""
@@ -106,11 +116,8 @@ def main():
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
-    times = {b: [] for b in bins}
     with busy_loop(busy):
-        for r in range(rounds):
-            for b in bins if r % 2 == 0 else bins[::-1]:
-                times[b].append(run(b, coll, ranks, size, iters, fresh, tcp, ip, huge))
+        times = paired_runs(bins, rounds, coll, ranks, size, iters, fresh, tcp, ip, huge)
     base = times[bins[0]]
     for b in bins:
         t = times[b]

@@ -31,7 +31,7 @@ import statistics
 import sys
 from collections import defaultdict
 
-from ab import in_bytes  # ci/ab.py's sizes: bytes, or K/M/G
+from ab import in_bytes, paired_runs  # ci/ab.py's sizes and side-by-side runs
 
 LATENCY_BYTES = 64  # below this, compare time, not bandwidth
 
@@ -90,8 +90,6 @@ def recheck(d, rounds, fresh):
     runs, side by side): whether it is behind in paired runs too, or the
     sweep's minute was (run while the sweep's conditions hold, e.g. its busy
     loop)."""
-    from ab import run
-
     res = load(d)
     keys = sorted({(c, n, s, m) for (c, n, s, impl, m) in res if impl == "ours"})
     below = [k for k in keys if (paired_ratio(res, *k, "mpi") or 1.0) < 1.0]
@@ -102,12 +100,9 @@ def recheck(d, rounds, fresh):
     behind = 0
     for coll, n, size, mode in below:
         ip = mode == "in_place"
-        ours, mpi = [], []
-        for r in range(rounds):
-            for impl in (["ours", "mpi"] if r % 2 == 0 else ["mpi", "ours"]):
-                binary = "target/release/collbench" if impl == "ours" else "mpi"
-                t = run(binary, coll, str(n), str(size), None, fresh, False, ip, huge)
-                (ours if impl == "ours" else mpi).append(t)
+        bins = ["target/release/collbench", "mpi"]
+        times = paired_runs(bins, rounds, coll, str(n), str(size), None, fresh, False, ip, huge)
+        ours, mpi = (times[b] for b in bins)
         paired = statistics.median(m / o for o, m in zip(ours, mpi))
         behind += paired < 1.0
         sweep = paired_ratio(res, coll, n, size, mode, "mpi")

@@ -1,7 +1,7 @@
-//! A core shared with other work, for real: a busy loop pinned to the last
-//! core while two ranks run, one of them on that core. The rank there finds
-//! its core shared and offers its peer every copy it can (see `offer_help`
-//! in transport/src/shm/connection.rs), so its peer writes into its buffers
+//! A core shared with other work, for real: a busy loop pinned to the core
+//! of one of two ranks while they run. That rank finds its core shared and
+//! offers its peer every copy it can (see `offer_help` in
+//! transport/src/shm/connection.rs), so its peer writes into its buffers
 //! even where nothing is reduced: every result is checked. Its own binary,
 //! so that the busy loop slows no other test.
 
@@ -33,15 +33,18 @@ impl Drop for BusyLoop {
 
 #[test]
 fn copies_a_peer_takes_over_from_a_shared_core_are_right() {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if cores < 2 {
+    // collbench binds rank i to the i-th CPU it may use: the busy loop goes
+    // beside rank 1.
+    let allowed = rustix::thread::sched_getaffinity(None).expect("sched_getaffinity");
+    let mut cpus = (0..rustix::thread::CpuSet::MAX_CPU).filter(|c| allowed.is_set(*c));
+    let Some(rank1_cpu) = cpus.nth(1) else {
         eprintln!("skipping: one core, no core of its own for the other rank");
         return;
-    }
+    };
     let collbench = integration_tests::sibling(env!("CARGO_BIN_EXE_coll-worker"), "collbench");
-    let _busy = BusyLoop::on(cores - 1);
-    // An odd element count, so the last chunk is short; rank 1 (bound to
-    // the last core) receives: the root is 0 for Broadcast, 1 for Reduce.
+    let _busy = BusyLoop::on(rank1_cpu);
+    // Rank 1 receives: the root is 0 for Broadcast, 1 for Reduce. 4000008
+    // B (1000002 floats, 500001 a rank's block) ends in a short chunk.
     for (coll, root) in [
         ("broadcast", "0"),
         ("allgather", "0"),

@@ -237,7 +237,7 @@ impl Communicator {
             aborted: None,
             scratch: Vec::new(),
             reduce_scatter_buf: Vec::new(),
-            inflight: InFlight::new(spin),
+            inflight: InFlight::new(spin, rank),
             recorder: Recorder::new(rank, size),
         };
         crate::status::register(comm.session, &comm.recorder.board);

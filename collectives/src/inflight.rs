@@ -233,12 +233,12 @@ pub(crate) struct InFlight {
 }
 
 impl InFlight {
-    pub fn new(spin: std::time::Duration) -> Self {
+    pub fn new(spin: std::time::Duration, rank: usize) -> Self {
         InFlight {
             next_id: 0,
             calls: Vec::new(),
             spare: Vec::new(),
-            poller: Poller::new(spin, Poller::DEFAULT_PATIENCE),
+            poller: Poller::new(spin, Poller::DEFAULT_PATIENCE).with_rank(rank),
             involved: Default::default(),
         }
     }

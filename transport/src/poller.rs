@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{poll, PollFd, PollFlags, Timespec};
 
-use crate::{Connection, Error, Interest, Result, Wake};
+use crate::{Connection, Error, Interest, Rank, Result, Wake};
 
 /// Decides what an idle progress loop does, in three phases:
 ///
@@ -54,6 +54,8 @@ pub struct Poller {
     contended: bool,
     /// When a yield last came back `HOG_GAP` late.
     hogged: Option<Instant>,
+    /// Whose waits these are, for the log (see [`with_rank`](Self::with_rank)).
+    rank: Option<Rank>,
 }
 
 /// An idle round's part in a wait (see [`Poller`]).
@@ -120,6 +122,15 @@ impl Poller {
             window: None,
             contended: false,
             hogged: None,
+            rank: None,
+        }
+    }
+
+    /// Names the rank whose waits these are in what the poller logs.
+    pub fn with_rank(self, rank: Rank) -> Self {
+        Poller {
+            rank: Some(rank),
+            ..self
         }
     }
 
@@ -231,12 +242,13 @@ impl Poller {
             self.contended = queued * 10 > now - start;
             if CORE_SHARED.swap(self.contended, Ordering::Relaxed) != self.contended {
                 let share = 100.0 * queued.as_secs_f64() / (now - start).as_secs_f64();
+                let who = self.rank.map_or(String::new(), |r| format!("rank {r}: "));
                 let what = "waits poll less, peers take the copies";
                 match self.contended {
                     true => tracing::info!(
-                        "this core is shared with other work ({share:.0}% of {WINDOW:?} waiting to run): {what}"
+                        "{who}this core is shared with other work ({share:.0}% of {WINDOW:?} waiting to run): {what}"
                     ),
-                    false => tracing::info!("this core is no longer shared with other work"),
+                    false => tracing::info!("{who}this core is no longer shared with other work"),
                 }
             }
         }
