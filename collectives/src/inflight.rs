@@ -362,12 +362,11 @@ impl Communicator {
         self.recorder.running(a.slot, "tiny", a.bytes);
         for polls in 0..ALONE_POLLS {
             match poll_flags(tiny, &mut flags, &a.desc, input, output) {
-                Ok(true) if polls == 0 => {
-                    self.recorder.finished_at_once(a.slot);
-                    return Alone::Done;
-                }
                 Ok(true) => {
-                    self.recorder.finished(a.slot, true);
+                    match polls {
+                        0 => self.recorder.finished_at_once(a.slot),
+                        _ => self.recorder.finished(a.slot, true),
+                    }
                     return Alone::Done;
                 }
                 Ok(false) => {}

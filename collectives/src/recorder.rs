@@ -187,7 +187,7 @@ impl Recorder {
         self.finish(slot, ok, false)
     }
 
-    /// Records a call done at its first look, a fraction of a microsecond
+    /// Records a call done at its first poll, a fraction of a microsecond
     /// after it started, as ended when it started (unless a timeline is
     /// kept): a clock reading costs ~10 ns in this VM, and skipping it made
     /// 2-rank 8 B Broadcasts 0.93x the time (`ci/ab.py broadcast 2 8`).
