@@ -372,9 +372,12 @@ impl Communicator {
                 Ok(false) => {}
                 Err(e) => return Alone::Failed(State::Flags(flags), e),
             }
-            // The queue's first idle round yields to a peer on our core.
-            if polls == 0 && tiny.yields_core(&flags) {
-                break;
+            if polls == 0 {
+                self.recorder.waits(a.slot);
+                // The queue's first idle round yields to a peer on our core.
+                if tiny.yields_core(&flags) {
+                    break;
+                }
             }
             std::hint::spin_loop();
         }
@@ -461,6 +464,7 @@ impl Communicator {
         output: RawBuf,
         state: State,
     ) -> usize {
+        self.recorder.waits(a.slot);
         self.inflight.calls.push(Call {
             id: a.id,
             slot: a.slot,

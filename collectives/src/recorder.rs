@@ -42,7 +42,8 @@ pub(crate) struct Entry {
     pub chunk: usize,
     pub bytes: usize,
     pub phase: Phase,
-    /// [`ticks`] at start and end (0: not yet).
+    /// [`ticks`] at start and end (0: not yet; both 0 for a call done at
+    /// its first poll, which is not timed: see `finished_at_once`).
     pub started: u64,
     pub ended: u64,
 }
@@ -138,7 +139,9 @@ impl Recorder {
             chunk: 0,
             bytes,
             phase: Phase::Queued,
-            started: ticks(),
+            // Read when the call turns out to wait (`waits`), unless a
+            // timeline wants every span.
+            started: self.timeline.as_ref().map_or(0, |_| ticks()),
             ended: 0,
         };
         let at = self.next;
@@ -173,6 +176,14 @@ impl Recorder {
         self.ring.get_mut(slot.1)
     }
 
+    /// The call of `slot` was not done at its first poll (or was queued):
+    /// its start is stamped now, a fraction of a microsecond late.
+    pub fn waits(&mut self, slot: Slot) {
+        if let Some(e) = self.entry(slot).filter(|e| e.started == 0) {
+            e.started = ticks();
+        }
+    }
+
     pub fn running(&mut self, slot: Slot, algorithm: &'static str, chunk: usize) {
         if let Some(e) = self.entry(slot) {
             e.phase = Phase::Running;
@@ -188,9 +199,12 @@ impl Recorder {
     }
 
     /// Records a call done at its first poll, a fraction of a microsecond
-    /// after it started, as ended when it started (unless a timeline is
-    /// kept): a clock reading costs ~10 ns in this VM, and skipping it made
-    /// 2-rank 8 B Broadcasts 0.93x the time (`ci/ab.py broadcast 2 8`).
+    /// after it started, without a time (unless a timeline is kept): it
+    /// lies between its timed neighbours. A clock reading costs ~10 ns in
+    /// this VM, a tenth of such a call: skipping the one at its end made
+    /// 2-rank 8 B Broadcasts 0.93x the time, the one at its start too
+    /// 0.94-0.95x again, idle or beside a busy loop (`ci/ab.py broadcast 2
+    /// 8`).
     pub fn finished_at_once(&mut self, slot: Slot) {
         self.finish(slot, true, self.timeline.is_none())
     }
@@ -200,6 +214,9 @@ impl Recorder {
         if let Some(e) = self.entry(slot) {
             e.phase = if ok { Phase::Done } else { Phase::Failed };
             e.ended = if at_start { e.started } else { ticks() };
+            if e.started == 0 {
+                e.started = e.ended; // not stamped by `waits`: ends as it starts
+            }
             span = Some((e.desc, e.started, e.ended, e.bytes));
         }
         if let Some((desc, ..)) = span {
@@ -255,7 +272,7 @@ impl Recorder {
                         .then(|| waiting(n))
                         .flatten()
                         .map(WaitRecord::from),
-                    start_us: at(e.started),
+                    start_us: (e.started != 0).then(|| at(e.started)),
                     end_us: (e.ended != 0).then(|| at(e.ended)),
                 }
             })
@@ -348,8 +365,9 @@ pub struct CallRecord {
     /// queued, running, done or failed.
     pub state: &'static str,
     pub waiting_on: Option<WaitRecord>,
-    /// Microseconds since the communicator was made.
-    pub start_us: f64,
+    /// Microseconds since the communicator was made; none for a call done
+    /// at its first poll (under a microsecond, not timed).
+    pub start_us: Option<f64>,
     pub end_us: Option<f64>,
 }
 
@@ -475,17 +493,18 @@ mod tests {
     }
 
     #[test]
-    fn a_call_done_at_once_ends_when_it_started_one_that_waited_later() {
+    fn a_call_done_at_once_is_not_timed_one_that_waited_is() {
         let mut r = Recorder::new(0, 4);
         let at_once = r.start(desc(8, 0), None, 32);
         r.finished_at_once(at_once);
         let waited = r.start(desc(8, 1), None, 32);
+        r.waits(waited);
         std::thread::sleep(std::time::Duration::from_millis(2));
         r.finished(waited, true);
         let calls = r.calls(|_| None);
         assert_eq!((calls[0].state, calls[1].state), ("done", "done"));
-        assert_eq!(calls[0].end_us, Some(calls[0].start_us));
-        let took = calls[1].end_us.unwrap() - calls[1].start_us;
+        assert_eq!((calls[0].start_us, calls[0].end_us), (None, None));
+        let took = calls[1].end_us.unwrap() - calls[1].start_us.unwrap();
         assert!(took >= 1000.0, "the waiting call took {took} us");
     }
 }
