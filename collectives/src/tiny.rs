@@ -464,6 +464,15 @@ impl Tiny {
             while call.next < call.n {
                 let r = call.next;
                 if r != self.me {
+                    // Its slot of call j first, a line it wrote once: a
+                    // look at its progress line, which it writes at every
+                    // call, takes that line from it, and a rank waiting
+                    // here looked at every poll, slowing each call of the
+                    // rank it waited for.
+                    let slot = Segment::word(self.segments[r].slot(j), 0);
+                    if !reached(slot.load(Ordering::Acquire), flag(j)) {
+                        return Ok(false);
+                    }
                     let latest = Segment::word(self.segments[r].progress(), 0);
                     let ahead = latest.load(Ordering::Acquire).wrapping_sub(flag(j)) as i32;
                     let Ok(ahead) = u64::try_from(ahead) else {
