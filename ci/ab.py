@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Two (or more) builds of collbench side by side: A/B for a change.
 
-    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip] [--huge] [--busy]
+    python3 ci/ab.py COLLECTIVE RANKS SIZE ROUNDS BIN_A BIN_B [BIN ...] [--iters N] [--fresh] [--tcp] [--ip] [--huge] [--busy] [--each]
 
 Runs each binary in turn, ROUNDS times (the order reversed every other
 round), at one size, and prints per binary the median time per call (out of
@@ -24,6 +24,13 @@ and pins a page per 4 KiB, and measures up to 4x slower than the same size
 in such a sweep (8-rank Broadcast of 1 MiB: 470-560 us against 100-130).
 --busy: a busy loop pinned to the last core runs throughout, for every
 binary (as ci/compare.sh --busy): a core shared with other work.
+--each: also prints every round: the cache-line round trip between the
+first two cores just before it (ci/linepingpong.c, built by
+ci/compare.sh as target/compare/linepingpong), each binary's time and
+its ratio to BIN_A's. This VM has minutes when a line takes ~500 ns
+between the cores instead of ~100, and small calls are bimodal within
+either (2-rank 8 B Broadcast: 0.08 or 0.13-0.19 us a call, Open MPI's
+too): a median over rounds of both kinds says less than the rounds.
 """
 import contextlib
 import json
@@ -66,14 +73,31 @@ def run(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
     return json.loads(out)["rows"][0]["in_place" if ip else "out_of_place"]["time_us"]
 
 
-def paired_runs(bins, rounds, *args):
+def paired_runs(bins, rounds, *args, each=False):
     """Each binary's time per call (`run(b, *args)`) in `rounds` rounds, the
     order reversed every other round: {binary: [time per round]}."""
     times = {b: [] for b in bins}
     for r in range(rounds):
+        trip = round_trip() if each else None
         for b in bins if r % 2 == 0 else bins[::-1]:
             times[b].append(run(b, *args))
+        if each:
+            row = [times[b][-1] for b in bins]
+            print(f"round {r + 1:2d}  line {trip or '?':>6} ns  "
+                  + "  ".join(f"{t:10.3f}" for t in row) + "   x BIN_A "
+                  + "  ".join(f"{t / row[0]:.2f}" for t in row[1:]), flush=True)
     return times
+
+
+def round_trip():
+    """The cache-line round trip between the first two cores now, in ns
+    (None without ci/compare.sh's build of ci/linepingpong.c)."""
+    try:
+        out = subprocess.run(["target/compare/linepingpong", "100000"],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{float(out.split()[-2]):.0f}"
 
 
 @contextlib.contextmanager
@@ -113,11 +137,15 @@ def main():
     busy = "--busy" in args
     if busy:
         args.remove("--busy")
+    each = "--each" in args
+    if each:
+        args.remove("--each")
     if len(args) < 6:
         sys.exit(__doc__)
     coll, ranks, size, rounds, bins = args[0], args[1], args[2], int(args[3]), args[4:]
     with busy_loop(busy):
-        times = paired_runs(bins, rounds, coll, ranks, size, iters, fresh, tcp, ip, huge)
+        times = paired_runs(bins, rounds, coll, ranks, size, iters, fresh, tcp, ip, huge,
+                            each=each)
     base = times[bins[0]]
     for b in bins:
         t = times[b]
