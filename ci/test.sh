@@ -47,7 +47,7 @@ for t in tcp shm; do
   $bench alltoall -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
   $bench alltoallv -n 4 -b 8 -e 256M -f 4 -c 1 --transport $t
   for c in reducescatter allgather broadcast reduce; do
-    $bench $c -n 4 -b 8 -e 64M -f 16 -c 1 --transport $t
+    $bench $c -n 4 -b 8 -e 64M -f 8 -c 1 --transport $t
   done
 done
 step "checked sweeps of every collective and algorithm, 2, 3, 4 and 8 ranks, TCP and shared memory"

@@ -9,6 +9,7 @@ use transport::{Connection, MemRegion, Rank, Request, Tag};
 use crate::executor::{Effects, Execution, Source};
 use crate::reduce;
 use crate::schedule::{Action, Buf, Kind, Schedule, Span, Step};
+use crate::stream_copy;
 use crate::{DataType, HugeBuffer, ReduceOp};
 
 /// Sends in flight per peer (receives are bounded by the pipeline depth).
@@ -164,11 +165,19 @@ impl Effects for Transfers<'_> {
         }
     }
     fn copy(&mut self, from: Span, to: Span) {
-        self.span_mut(to).copy_from_slice(self.span(from));
+        self.copy_bytes(self.span_mut(to), self.span(from));
     }
 }
 
 impl Transfers<'_> {
+    /// `dst = src`, streaming past the caches in a call too large for them.
+    fn copy_bytes(&self, dst: &mut [u8], src: &[u8]) {
+        match self.output.len >= stream_copy::STREAM_FROM {
+            true => stream_copy::copy(dst, src),
+            false => dst.copy_from_slice(src),
+        }
+    }
+
     /// `span (action)= from`.
     fn act(&self, action: Action, span: Span, from: Source) {
         let src = match from {
@@ -187,7 +196,7 @@ impl Transfers<'_> {
         };
         let dst = self.span_mut(span);
         let (with_input, finalize) = match action {
-            Action::Copy => return dst.copy_from_slice(src.expect("a copy has a source")),
+            Action::Copy => return self.copy_bytes(dst, src.expect("a copy has a source")),
             Action::Reduce {
                 with_input,
                 finalize,
