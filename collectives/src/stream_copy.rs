@@ -18,17 +18,20 @@
 
 /// A call whose output has at least this many bytes streams its local
 /// copies: its buffers are larger than the caches can keep for it.
-pub(crate) const STREAM_FROM: usize = 16 << 20;
+const STREAM_FROM: usize = 16 << 20;
 
-/// `dst = src`, streaming whole lines of `dst` past the caches. Ordered
-/// before any later store (ends with a store fence), so a flag published
-/// after it covers the copy as a plain copy's would.
-pub(crate) fn copy(dst: &mut [u8], src: &[u8]) {
+/// `dst = src`, a local copy of a call whose output has `call_bytes`:
+/// streaming whole lines of `dst` past the caches from [`STREAM_FROM`] on,
+/// else a plain copy. A streamed copy ends with a store fence, so a flag
+/// published after it covers the copy as a plain copy's would.
+pub(crate) fn copy(dst: &mut [u8], src: &[u8], call_bytes: usize) {
+    // The streaming loop's bounds rest on this.
     assert_eq!(dst.len(), src.len(), "a copy between spans of one length");
-    #[cfg(target_arch = "x86_64")]
-    {
-        stream(dst, src);
+    if call_bytes < STREAM_FROM {
+        return dst.copy_from_slice(src);
     }
+    #[cfg(target_arch = "x86_64")]
+    stream(dst, src);
     #[cfg(not(target_arch = "x86_64"))]
     dst.copy_from_slice(src);
 }
@@ -44,16 +47,14 @@ fn stream(dst: &mut [u8], src: &[u8]) {
     dst[..head].copy_from_slice(&src[..head]);
     dst[tail..].copy_from_slice(&src[tail..]);
     let (d, s) = (dst[head..].as_mut_ptr(), src[head..].as_ptr());
-    for i in 0..lines {
-        for w in 0..LINE / 16 {
-            let at = i * LINE + w * 16;
-            // SAFETY: `at + 16 <= lines * LINE`, within both slices past
-            // `head`; `d + at` is 16-byte aligned (`head` aligns `d` to a
-            // line); SSE2 is part of x86_64; the load is unaligned.
-            unsafe {
-                let v = _mm_loadu_si128(s.add(at).cast::<__m128i>());
-                _mm_stream_si128(d.add(at).cast::<__m128i>(), v);
-            }
+    for at in (0..lines * LINE).step_by(16) {
+        // SAFETY: `at + 16 <= lines * LINE`, within both slices past `head`
+        // (they have one length, asserted by `copy`); `d + at` is 16-byte
+        // aligned (`head` aligns `d` to a line); SSE2 is part of x86_64;
+        // the load is unaligned.
+        unsafe {
+            let v = _mm_loadu_si128(s.add(at).cast::<__m128i>());
+            _mm_stream_si128(d.add(at).cast::<__m128i>(), v);
         }
     }
     // SAFETY: SSE is part of x86_64. Streaming stores are weakly ordered:
@@ -63,7 +64,7 @@ fn stream(dst: &mut [u8], src: &[u8]) {
 
 #[cfg(test)]
 mod tests {
-    use super::copy;
+    use super::{copy, STREAM_FROM};
 
     #[test]
     fn copies_every_byte_at_any_alignment_and_length() {
@@ -71,7 +72,11 @@ mod tests {
         for at in [0, 1, 15, 16, 63, 64, 65] {
             for len in [0, 1, 17, 63, 64, 65, 128, 1000, 4096 - 65] {
                 let mut dst = vec![0u8; 4096];
-                copy(&mut dst[at..at + len], &src[65 - at % 65..][..len]);
+                copy(
+                    &mut dst[at..at + len],
+                    &src[65 - at % 65..][..len],
+                    STREAM_FROM,
+                );
                 assert_eq!(
                     dst[at..at + len],
                     src[65 - at % 65..][..len],

@@ -165,19 +165,11 @@ impl Effects for Transfers<'_> {
         }
     }
     fn copy(&mut self, from: Span, to: Span) {
-        self.copy_bytes(self.span_mut(to), self.span(from));
+        stream_copy::copy(self.span_mut(to), self.span(from), self.output.len);
     }
 }
 
 impl Transfers<'_> {
-    /// `dst = src`, streaming past the caches in a call too large for them.
-    fn copy_bytes(&self, dst: &mut [u8], src: &[u8]) {
-        match self.output.len >= stream_copy::STREAM_FROM {
-            true => stream_copy::copy(dst, src),
-            false => dst.copy_from_slice(src),
-        }
-    }
-
     /// `span (action)= from`.
     fn act(&self, action: Action, span: Span, from: Source) {
         let src = match from {
@@ -196,7 +188,10 @@ impl Transfers<'_> {
         };
         let dst = self.span_mut(span);
         let (with_input, finalize) = match action {
-            Action::Copy => return self.copy_bytes(dst, src.expect("a copy has a source")),
+            Action::Copy => {
+                let src = src.expect("a copy has a source");
+                return stream_copy::copy(dst, src, self.output.len);
+            }
             Action::Reduce {
                 with_input,
                 finalize,
