@@ -190,7 +190,10 @@ impl Transfers<'_> {
         let (with_input, finalize) = match action {
             Action::Copy => {
                 let src = src.expect("a copy has a source");
-                return stream_copy::copy(dst, src, self.output.len);
+                return match from {
+                    Source::Slot(_) => stream_copy::copy_staged(dst, src, self.output.len),
+                    _ => stream_copy::copy(dst, src, self.output.len),
+                };
             }
             Action::Reduce {
                 with_input,
