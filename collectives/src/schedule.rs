@@ -112,6 +112,9 @@ pub(crate) struct Schedule {
     operands: Vec<Span>,
     /// Bytes of [`Buf::Scratch`] the steps use.
     pub(crate) scratch: usize,
+    /// Every send is posted at once, none waits on a receive (see
+    /// [`all_in_flight`](Self::all_in_flight)).
+    pub(crate) all_in_flight: bool,
 }
 
 impl Schedule {
@@ -236,6 +239,14 @@ impl Schedule {
         self.scratch = self.scratch.max(bytes);
     }
 
+    /// Every send is out at once and none forwards what a receive brought
+    /// (pairwise AllToAll): the call's buffers say so to the transport
+    /// (`MemRegion::all_in_flight`), whose peers then read smaller
+    /// messages in place.
+    pub fn all_in_flight(&mut self) {
+        self.all_in_flight = true;
+    }
+
     /// The peers this schedule sends to, ascending (for tests of algorithms).
     #[cfg(test)]
     pub fn send_peers(&self) -> Vec<Rank> {
@@ -256,6 +267,7 @@ impl Schedule {
         self.tag = 0;
         self.operands.clear();
         self.scratch = 0;
+        self.all_in_flight = false;
     }
 }
 

@@ -20,6 +20,9 @@ pub struct MemRegion {
     /// Whether a peer may write into receives posted here (see
     /// [`allow_peer_writes`](Self::allow_peer_writes)).
     peer_writes: bool,
+    /// Whether sends from here may be read in place from a smaller size
+    /// (see [`all_in_flight`](Self::all_in_flight)).
+    all_in_flight: bool,
 }
 
 type Key = Arc<dyn Any + Send + Sync>;
@@ -32,6 +35,7 @@ impl MemRegion {
             len,
             keys: Some(Arc::from([Key::from(key)])),
             peer_writes: false,
+            all_in_flight: false,
         }
     }
 
@@ -42,6 +46,7 @@ impl MemRegion {
             len,
             keys: None,
             peer_writes: false,
+            all_in_flight: false,
         }
     }
 
@@ -61,6 +66,21 @@ impl MemRegion {
     /// Whether [`allow_peer_writes`](Self::allow_peer_writes) was given.
     pub fn peer_writes(&self) -> bool {
         self.peer_writes
+    }
+
+    /// Says that sends from this range go out all at once, to many peers
+    /// (a pairwise AllToAll's blocks): a shared-memory receiver then reads
+    /// them from our memory from a smaller size on, its copies overlapping
+    /// each other's, where a message forwarded as it lands (a ring's)
+    /// goes faster through the slots (see `shm::segment::EAGER_MAX`).
+    pub fn all_in_flight(mut self) -> Self {
+        self.all_in_flight = true;
+        self
+    }
+
+    /// Whether [`all_in_flight`](Self::all_in_flight) was given.
+    pub fn is_all_in_flight(&self) -> bool {
+        self.all_in_flight
     }
 
     pub fn addr(&self) -> *const u8 {
@@ -127,6 +147,7 @@ pub fn register_all<'a>(
         len,
         keys: (!keys.is_empty()).then(|| Arc::from(keys)),
         peer_writes: false,
+        all_in_flight: false,
     })
 }
 

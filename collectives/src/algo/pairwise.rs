@@ -34,6 +34,7 @@ pub(super) fn partner(round: usize, r: usize, n: usize) -> usize {
 
 fn build(l: &Layout, s: &mut Schedule) {
     let (n, r) = (l.size, l.rank);
+    s.all_in_flight();
     let block = |j: usize| {
         let len = l.count / n * l.elem;
         (j * len, len)
@@ -79,6 +80,7 @@ fn build_v(l: &Layout, s: &mut Schedule) {
         };
         Some(desc.tag())
     };
+    s.all_in_flight();
     let (from, to) = (sent(r), received(r));
     if from.1 == to.1 && from.1 > 0 {
         let span = |buf, (offset, len): (usize, usize)| Span { buf, offset, len };

@@ -11,7 +11,10 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use super::costs::{self, CopyCosts};
-use super::segment::{Desc, Help, Kind, Segment, EAGER_MAX, OBSERVE, PUBLISH, SLOTS, SLOT_BYTES};
+use super::segment::{
+    Desc, Help, Kind, Segment, EAGER_MAX, EAGER_MAX_ALL_IN_FLIGHT, OBSERVE, PUBLISH, SLOTS,
+    SLOT_BYTES,
+};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
 };
@@ -63,6 +66,8 @@ struct Outgoing {
     last_slot: Option<u64>,
     /// Whether the receiver reads it from our memory (`process_vm_readv`).
     remote: bool,
+    /// Larger messages are read from our memory where the peer can.
+    eager_max: usize,
 }
 
 struct Incoming {
@@ -160,7 +165,7 @@ impl ShmConnection {
         let (dir, seq) = (self.out_dir(), self.head);
         let remote_reads = self.remote_reads;
         let out = &mut self.sends[i];
-        let remote = remote_reads && out.len > EAGER_MAX;
+        let remote = remote_reads && out.len > out.eager_max;
         out.remote = remote;
         let len = if remote {
             out.len
@@ -647,6 +652,10 @@ impl Connection for ShmConnection {
             published: 0,
             last_slot: None,
             remote: false,
+            eager_max: match region.is_all_in_flight() {
+                true => EAGER_MAX_ALL_IN_FLIGHT,
+                false => EAGER_MAX,
+            },
         });
         Ok(self.requests.post(Direction::Send))
     }
