@@ -993,9 +993,8 @@ impl Communicator {
     }
 
     /// `b` as the executor sees it: registered with every transport in use
-    /// (or found in the registration cache), writable by peers if `writes`.
-    /// `b`, registered; peers may write its receives if `writes`, and read
-    /// its sends in place from a smaller size if `all_in_flight`.
+    /// (or found in the registration cache), writable by peers if `writes`,
+    /// its sends read in place from a smaller size if `all_in_flight`.
     fn region(
         &mut self,
         b: RawBuf,
