@@ -53,7 +53,6 @@ mod shrink;
 pub mod simulate;
 mod split;
 pub mod status;
-mod store_choice;
 mod stream_copy;
 mod timeline;
 mod tiny;

@@ -16,10 +16,32 @@
 //! (the root's copy), 4-rank AllGather of 16 MiB 0.94x; 2-rank AllToAll of
 //! 8 and 16 MiB 0.97-1.02x (noise): about where streaming stops costing.
 //!
-//! Smaller staged copies land where a peer has just read, and there
-//! `store_choice` decides between the two (`copy_staged`).
+//! Smaller staged copies often land on lines a peer has just read: an
+//! in-place AllToAll's staged block lands on the block its peer read from
+//! it. A plain store to such a line waits for the peer's core to give it
+//! up; a streaming store only has the peer's copy dropped. On the AMD VM 1
+//! MiB copied over lines the other core just read takes `memcpy` 130 or
+//! 550 us as the minute goes, streaming 47-50 either way
+//! (`ci/copyover.c`). But a streamed block goes to memory, not into our
+//! cache, where the peer's next read would have found it: in the fast
+//! minutes always-streamed calls took 1.3x the time. So staged copies time
+//! both ways, for the process (it is the machine that changes, not the
+//! call), and stream while that costs under a third of plain
+//! ([`transport::TwoWays`]). Not with a core shared with other work: the
+//! time then measures the scheduler, and streamed calls took 1.05-2.1x the
+//! time of plain ones beside a busy loop (4-rank in-place AllToAll of 1
+//! MiB).
+//!
+//! Reductions land on lines a peer read too (an AllReduce's result block,
+//! read in the last call's all-gather), but streaming them through a block
+//! on the stack did not pay: its stores cost 5x plain ones in the fast
+//! minutes and 0.55x in the slow ones, and chosen this way (streaming when
+//! 1.5x cheaper) 2-rank in-place AllReduces of 1 MiB took 0.57-0.73x the
+//! time in the slow minutes and 1.04x overall.
 
-use crate::store_choice::StoreChoice;
+use std::time::Instant;
+
+use transport::TwoWays;
 
 /// A call whose output has at least this many bytes streams its local
 /// copies: its buffers are larger than the caches can keep for it.
@@ -37,23 +59,32 @@ pub(crate) fn copy(dst: &mut [u8], src: &[u8], call_bytes: usize) {
 }
 
 /// `dst = src` for a staged receive, which often lands where its peer has
-/// just read (an in-place AllToAll's block goes out, then the peer's block
-/// lands on it): plain or streamed as `STAGED` measures (see
-/// `store_choice`); 2-rank in-place AllToAll of 4 MiB, plain 150 us a call
-/// or 800, streamed 260-330 either way, of 256 KiB plain 48-96 us,
-/// streamed 27-31.
+/// just read: plain or streamed as `STAGED` measures (see the module docs);
+/// 2-rank in-place AllToAll of 4 MiB, plain 150 us a call or 800, streamed
+/// 260-330 either way, of 256 KiB plain 48-96 us, streamed 27-31.
 pub(crate) fn copy_staged(dst: &mut [u8], src: &[u8], call_bytes: usize) {
     if call_bytes >= STREAM_FROM {
         return copy(dst, src, call_bytes);
     }
-    STAGED.run(dst.len(), |streams| match streams {
+    let timed = dst.len() >= TIMED_FROM && cfg!(target_arch = "x86_64");
+    if !timed || transport::core_shared() {
+        return dst.copy_from_slice(src);
+    }
+    let streams = STAGED.other_next();
+    let start = Instant::now();
+    match streams {
         true => stream(dst, src),
         false => dst.copy_from_slice(src),
-    });
+    }
+    STAGED.note(streams, dst.len(), start.elapsed().as_nanos() as u64);
 }
 
-/// Staged copies' figures.
-static STAGED: StoreChoice = StoreChoice::new();
+/// Staged copies shorter than this are plain: too short to time.
+const TIMED_FROM: usize = 32 << 10;
+
+/// Staged copies' figures: plain the usual way, streamed the other; one
+/// copy in 64 goes the way that measured slower.
+static STAGED: TwoWays = TwoWays::new(3, 64);
 
 /// `dst = src` with streaming stores where the target has them, else plain.
 pub(crate) fn stream(dst: &mut [u8], src: &[u8]) {
@@ -94,7 +125,6 @@ fn stream_lines(dst: &mut [u8], src: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::{copy, copy_staged, STREAM_FROM};
-    use crate::store_choice::RETRY_EVERY;
 
     #[test]
     fn copies_every_byte_at_any_alignment_and_length() {
@@ -119,10 +149,11 @@ mod tests {
 
     #[test]
     fn staged_copies_are_whole_whichever_way_they_go() {
-        // Either way is taken at least twice in 2 x RETRY_EVERY copies.
+        // Either way is taken at least twice in 128 copies (`STAGED`
+        // retries the other one copy in 64).
         let len = (32 << 10) + 13;
         let src: Vec<u8> = (0..len + 64).map(|i| (i * 5 + 1) as u8).collect();
-        for k in 0..2 * RETRY_EVERY as usize {
+        for k in 0..128 {
             let at = k % 64;
             let mut dst = vec![0u8; len + 64];
             copy_staged(&mut dst[at..at + len], &src[..len], 1 << 20);

@@ -58,6 +58,7 @@ mod fuzz;
 mod memory;
 mod poller;
 pub mod tcp;
+mod two_ways;
 mod wire;
 
 use std::os::fd::BorrowedFd;
@@ -66,6 +67,7 @@ use std::time::Instant;
 pub use error::{Error, Result};
 pub use memory::{register_all, MemRegion, RegistrationCache};
 pub use poller::{core_shared, Phase, Poller};
+pub use two_ways::TwoWays;
 
 #[cfg(target_os = "linux")]
 pub mod shm;

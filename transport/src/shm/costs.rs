@@ -7,42 +7,33 @@
 //! wrote ran at a third of its speed (~60 us per MiB against our reads'
 //! ~24), and 2-rank Reduce of 4 MiB took 1.2x as long with help as
 //! without; in the fast ones help makes it 0.71-0.77x. So the receiver
-//! keeps both speeds and stops offering while writes are much the slower,
-//! offering one message in [`PROBE_EVERY`] meanwhile to see them recover.
+//! times both ways ([`TwoWays`]: offering is the usual way, reading
+//! ourselves the other) and stops offering while writes take more than
+//! [`SLOWER`] times as long as reads, reading one candidate in
+//! [`PROBE_EVERY`] ourselves while it offers and offering one while it
+//! does not, so that both figures follow the machine.
 
 use std::time::Instant;
 
+use crate::TwoWays;
+
 /// Offers stop while the sender's writes take more than this many times
 /// as long per byte as our reads.
-const SLOWER: f32 = 2.0;
-/// While offers are stopped, one candidate in this many is still offered,
-/// so that a write measures whether the sender has sped up again.
+const SLOWER: u32 = 2;
+/// One candidate in this many goes the way the figures did not choose.
 const PROBE_EVERY: u32 = 32;
 /// Copies smaller than this are not timed: a system call's fixed cost
 /// would dominate the figure.
 const MIN_TIMED: usize = 64 << 10;
 
-/// Nanoseconds per KiB, smoothed; zero until the first sample.
-#[derive(Default, Clone, Copy, Debug)]
-struct Rate(f32);
+/// A receiver's figures for both ways of copying a remote message.
+#[derive(Debug)]
+pub(super) struct CopyCosts(TwoWays);
 
-impl Rate {
-    fn note(&mut self, bytes: usize, ns: u64) {
-        let sample = ns as f32 * 1024.0 / bytes as f32;
-        self.0 = match self.0 {
-            0.0 => sample,
-            r => r + (sample - r) / 8.0,
-        };
+impl Default for CopyCosts {
+    fn default() -> Self {
+        Self(TwoWays::new(SLOWER, PROBE_EVERY))
     }
-}
-
-/// A receiver's view of both copy speeds (see the module docs).
-#[derive(Default, Debug)]
-pub(super) struct CopyCosts {
-    read: Rate,
-    write: Rate,
-    /// Candidates passed over since offers stopped.
-    passed: u32,
 }
 
 /// The clock at the start of a copy of `bytes`, if it is one to time: the
@@ -59,33 +50,25 @@ pub(super) fn elapsed_ns(start: Option<Instant>) -> u64 {
 impl CopyCosts {
     /// We read `bytes` of the sender's memory, started at `start` (from
     /// [`timer`]).
-    pub fn note_read(&mut self, bytes: usize, start: Option<Instant>) {
-        self.note(bytes, elapsed_ns(start), |c| &mut c.read);
+    pub fn note_read(&self, bytes: usize, start: Option<Instant>) {
+        self.note(true, bytes, elapsed_ns(start));
     }
 
     /// The sender wrote `bytes` into our memory in `ns` nanoseconds (0: it
     /// did not time them).
-    pub fn note_write(&mut self, bytes: usize, ns: u64) {
-        self.note(bytes, ns, |c| &mut c.write);
+    pub fn note_write(&self, bytes: usize, ns: u64) {
+        self.note(false, bytes, ns);
     }
 
-    fn note(&mut self, bytes: usize, ns: u64, rate: fn(&mut Self) -> &mut Rate) {
-        if bytes >= MIN_TIMED && ns > 0 {
-            rate(self).note(bytes, ns);
+    fn note(&self, read: bool, bytes: usize, ns: u64) {
+        if bytes >= MIN_TIMED {
+            self.0.note(read, bytes, ns);
         }
     }
 
-    /// Whether to offer the sender the next copy: yes until both speeds are
-    /// known, then while its writes are not [`SLOWER`] than our reads, and
-    /// otherwise one candidate in [`PROBE_EVERY`].
-    pub fn worth_offering(&mut self) -> bool {
-        let (read, write) = (self.read.0, self.write.0);
-        if read == 0.0 || write == 0.0 || write <= SLOWER * read {
-            self.passed = 0;
-            return true;
-        }
-        self.passed += 1;
-        self.passed % PROBE_EVERY == 0
+    /// Whether to offer the sender the next copy (see the module docs).
+    pub fn worth_offering(&self) -> bool {
+        !self.0.other_next()
     }
 }
 
@@ -96,38 +79,42 @@ mod tests {
     const MIB: usize = 1 << 20;
 
     fn costs(read_us: u64, write_us: u64) -> CopyCosts {
-        let mut c = CopyCosts::default();
-        c.note(MIB, read_us * 1000, |c| &mut c.read);
+        let c = CopyCosts::default();
+        c.note(true, MIB, read_us * 1000);
         c.note_write(MIB, write_us * 1000);
         c
     }
 
+    fn offers(c: &CopyCosts, candidates: u32) -> usize {
+        (0..candidates).filter(|_| c.worth_offering()).count()
+    }
+
     #[test]
     fn offers_until_both_speeds_are_known() {
-        let mut c = CopyCosts::default();
+        let c = CopyCosts::default();
         assert!(c.worth_offering());
         c.note_read(MIB, timer(MIB));
         assert!(c.worth_offering());
     }
 
     #[test]
-    fn offers_while_writes_keep_up() {
-        assert!(costs(24, 20).worth_offering());
-        assert!(costs(24, 45).worth_offering());
+    fn offers_while_writes_keep_up_but_for_probes() {
+        for write_us in [20, 45] {
+            let c = costs(24, write_us);
+            assert_eq!(offers(&c, PROBE_EVERY * 3), 3 * (PROBE_EVERY as usize - 1));
+        }
     }
 
     #[test]
     fn slow_writes_stop_offers_but_for_probes() {
-        let mut c = costs(24, 60);
-        let offered = (0..PROBE_EVERY * 3).filter(|_| c.worth_offering()).count();
-        assert_eq!(offered, 3);
+        assert_eq!(offers(&costs(24, 60), PROBE_EVERY * 3), 3);
     }
 
     #[test]
     fn a_recovered_writer_is_offered_again() {
-        let mut c = costs(24, 60);
+        let c = costs(24, 60);
         assert!(!c.worth_offering());
-        for _ in 0..16 {
+        for _ in 0..4 {
             c.note_write(MIB, 18_000);
         }
         assert!(c.worth_offering());
@@ -136,7 +123,7 @@ mod tests {
     #[test]
     fn small_copies_are_not_timed() {
         assert!(timer(MIN_TIMED - 1).is_none() && timer(MIN_TIMED).is_some());
-        let mut c = costs(24, 60);
+        let c = costs(24, 60);
         for _ in 0..16 {
             c.note_write(4096, 1);
             c.note_read(4096, None);
