@@ -10,7 +10,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n=== %s\n' "$*"; }
+# Each step says when it began (seconds into the run), so a slow CI run
+# shows which step grew.
+step() { printf '\n=== %s (at %d s)\n' "$*" "$SECONDS"; }
 
 if cargo fmt --version >/dev/null 2>&1; then
   step "cargo fmt --check"
@@ -95,3 +97,4 @@ if [ "$(id -u)" = 0 ]; then
 else
   echo "note: not root; skipping the verbs tests on soft-RoCE (ci/verbs.sh needs apt-get and QEMU)"
 fi
+step "all passed"

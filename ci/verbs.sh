@@ -18,7 +18,7 @@ if [ "${1:-}" = --in-vm ]; then
   shift
   export COLL_REQUIRE_VERBS=1
   bench=target/verbs/release/collbench
-  step() { printf '\n=== (soft-RoCE VM) %s\n' "$*"; }
+  step() { printf '\n=== (soft-RoCE VM) %s (at %d s in the VM)\n' "$*" "$SECONDS"; }
   step "transport contract tests"
   "$1" --test-threads 1
   step "correctness matrix over verbs"
