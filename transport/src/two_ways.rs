@@ -49,7 +49,7 @@ impl TwoWays {
         match (usual, other) {
             (0, _) => false,
             (_, 0) => true,
-            _ => (self.other_wins_by * other < usual) != retry,
+            _ => (u64::from(self.other_wins_by) * u64::from(other) < u64::from(usual)) != retry,
         }
     }
 
@@ -151,5 +151,14 @@ mod tests {
         ways.note(false, 1024, 400_000); // preempted
         assert_eq!(ways.costs(), [25_000, 30_000]);
         assert_eq!(choices(&ways, 32), 1);
+    }
+
+    #[test]
+    fn the_slowest_figures_do_not_overflow() {
+        let ways = TwoWays::new(8, 32);
+        ways.note(false, 1, 1 << 40);
+        ways.note(true, 1, 1 << 40);
+        assert_eq!(ways.costs(), [1 << 30, 1 << 30]);
+        assert!(!ways.other_next());
     }
 }
