@@ -43,14 +43,21 @@ impl TwoWays {
     /// until it is measured, then the other until it is, then the way that
     /// costs less, the other one choice in `retry_every`.
     pub fn other_next(&self) -> bool {
-        let [usual, other] = self.cost.each_ref().map(|c| c.load(Ordering::Relaxed));
         let made = self.choices.fetch_add(1, Ordering::Relaxed) + 1;
         let retry = made % self.retry_every == 0;
-        match (usual, other) {
-            (0, _) => false,
-            (_, 0) => true,
-            _ => (u64::from(self.other_wins_by) * u64::from(other) < u64::from(usual)) != retry,
+        match self.costs() {
+            [0, _] => false,
+            [_, 0] => true,
+            _ => self.other_cheaper() != retry,
         }
+    }
+
+    /// Whether both ways are measured and the other costs less by
+    /// `other_wins_by`: the choice for work too small to time, which
+    /// neither waits for a figure nor counts towards the retries.
+    pub fn other_cheaper(&self) -> bool {
+        let [usual, other] = self.costs().map(u64::from);
+        other != 0 && u64::from(self.other_wins_by) * other < usual
     }
 
     /// Takes `ns` for `bytes` the given way into its cost: down halfway to
@@ -151,6 +158,17 @@ mod tests {
         ways.note(false, 1024, 400_000); // preempted
         assert_eq!(ways.costs(), [25_000, 30_000]);
         assert_eq!(choices(&ways, 32), 1);
+    }
+
+    #[test]
+    fn small_work_follows_the_figures_without_measuring() {
+        let ways = TwoWays::new(2, 32);
+        assert!(!ways.other_cheaper());
+        ways.note(false, MIB, 60_000);
+        assert!(!ways.other_cheaper(), "the other way is not measured yet");
+        ways.note(true, MIB, 24_000);
+        assert!(ways.other_cheaper());
+        assert_eq!(choices(&ways, 31), 31, "no retry was used up");
     }
 
     #[test]

@@ -282,7 +282,7 @@ impl ShmConnection {
         let desc = self.seg.read_desc(dir, next);
         let fits = desc.tag == inc.tag && desc.msg_len as usize == inc.len;
         let remote = desc.kind == Kind::Remote as u32;
-        if !(remote && fits && self.costs.worth_offering()) {
+        if !(remote && fits && self.costs.worth_offering(inc.len)) {
             return false;
         }
         let (word, addr) = self.seg.help(dir, next);

@@ -66,9 +66,14 @@ impl CopyCosts {
         }
     }
 
-    /// Whether to offer the sender the next copy (see the module docs).
-    pub fn worth_offering(&self) -> bool {
-        !self.0.other_next()
+    /// Whether to offer the sender the copy of a message of `bytes` (see
+    /// the module docs). One too small to time goes by the figures alone:
+    /// reading it would not measure reads, nor writing it writes.
+    pub fn worth_offering(&self, bytes: usize) -> bool {
+        match bytes >= MIN_TIMED {
+            true => !self.0.other_next(),
+            false => !self.0.other_cheaper(),
+        }
     }
 }
 
@@ -86,15 +91,28 @@ mod tests {
     }
 
     fn offers(c: &CopyCosts, candidates: u32) -> usize {
-        (0..candidates).filter(|_| c.worth_offering()).count()
+        (0..candidates).filter(|_| c.worth_offering(MIB)).count()
     }
 
     #[test]
     fn offers_until_both_speeds_are_known() {
         let c = CopyCosts::default();
-        assert!(c.worth_offering());
+        assert!(c.worth_offering(MIB));
         c.note_read(MIB, timer(MIB));
-        assert!(c.worth_offering());
+        assert!(c.worth_offering(MIB));
+    }
+
+    #[test]
+    fn small_messages_are_offered_until_the_figures_say_otherwise() {
+        let c = CopyCosts::default();
+        c.note_write(MIB, 60_000);
+        assert!(!c.worth_offering(MIB), "reads are to be measured");
+        assert!(
+            c.worth_offering(MIN_TIMED - 1),
+            "but not on a message too small to time"
+        );
+        c.note(true, MIB, 24_000);
+        assert!(!c.worth_offering(MIN_TIMED - 1));
     }
 
     #[test]
@@ -113,11 +131,11 @@ mod tests {
     #[test]
     fn a_recovered_writer_is_offered_again() {
         let c = costs(24, 60);
-        assert!(!c.worth_offering());
+        assert!(!c.worth_offering(MIB));
         for _ in 0..4 {
             c.note_write(MIB, 18_000);
         }
-        assert!(c.worth_offering());
+        assert!(c.worth_offering(MIB));
     }
 
     #[test]
@@ -128,6 +146,6 @@ mod tests {
             c.note_write(4096, 1);
             c.note_read(4096, None);
         }
-        assert!(!c.worth_offering());
+        assert!(!c.worth_offering(MIB));
     }
 }
