@@ -48,7 +48,7 @@ impl TwoWays {
         match self.costs() {
             [0, _] => false,
             [_, 0] => true,
-            _ => self.other_cheaper() != retry,
+            costs => self.other_wins(costs) != retry,
         }
     }
 
@@ -56,8 +56,13 @@ impl TwoWays {
     /// `other_wins_by`: the choice for work too small to time, which
     /// neither waits for a figure nor counts towards the retries.
     pub fn other_cheaper(&self) -> bool {
-        let [usual, other] = self.costs().map(u64::from);
-        other != 0 && u64::from(self.other_wins_by) * other < usual
+        let costs = self.costs();
+        costs[1] != 0 && self.other_wins(costs)
+    }
+
+    /// Whether `[usual, other]` (both measured) favour the other way.
+    fn other_wins(&self, [usual, other]: [u32; 2]) -> bool {
+        u64::from(self.other_wins_by) * u64::from(other) < u64::from(usual)
     }
 
     /// Takes `ns` for `bytes` the given way into its cost: down halfway to

@@ -64,10 +64,9 @@ struct Outgoing {
     published: usize,
     /// Slot sequence number of the last fragment, once published.
     last_slot: Option<u64>,
-    /// Whether the receiver reads it from our memory (`process_vm_readv`).
+    /// Whether the receiver reads it from our memory (`process_vm_readv`),
+    /// decided as it is posted.
     remote: bool,
-    /// Larger messages are read from our memory where the peer can.
-    eager_max: usize,
 }
 
 struct Incoming {
@@ -163,10 +162,8 @@ impl ShmConnection {
     /// Writes the next fragment of send `i` into slot `self.head`.
     fn publish_fragment(&mut self, i: usize) {
         let (dir, seq) = (self.out_dir(), self.head);
-        let remote_reads = self.remote_reads;
         let out = &mut self.sends[i];
-        let remote = remote_reads && out.len > out.eager_max;
-        out.remote = remote;
+        let remote = out.remote;
         let len = if remote {
             out.len
         } else {
@@ -180,7 +177,13 @@ impl ShmConnection {
             remote: if remote { out.data as u64 } else { 0 },
             kind: if remote { Kind::Remote } else { Kind::Eager } as u32,
         };
-        if !remote {
+        if remote {
+            // The slot was handed back: the receiver no longer looks at it.
+            self.seg
+                .help(dir, seq)
+                .0
+                .store(Help::NONE, Ordering::Relaxed);
+        } else {
             // SAFETY: the isend contract keeps data..data+len readable; the
             // slot is unpublished, so the peer does not read it yet.
             unsafe {
@@ -190,13 +193,6 @@ impl ShmConnection {
                     len,
                 )
             };
-        }
-        if remote {
-            // The slot was handed back: the receiver no longer looks at it.
-            self.seg
-                .help(dir, seq)
-                .0
-                .store(Help::NONE, Ordering::Relaxed);
         }
         self.seg.write_desc(dir, seq, desc);
         out.published += len;
@@ -645,17 +641,18 @@ impl Connection for ShmConnection {
     ) -> Result<Request> {
         self.check_usable()?;
         let data = region.slice_ptr(offset, len)?;
+        // Larger messages are read from our memory where the peer can.
+        let eager_max = match region.is_all_in_flight() {
+            true => EAGER_MAX_ALL_IN_FLIGHT,
+            false => EAGER_MAX,
+        };
         self.sends.push_back(Outgoing {
             data,
             len,
             tag,
             published: 0,
             last_slot: None,
-            remote: false,
-            eager_max: match region.is_all_in_flight() {
-                true => EAGER_MAX_ALL_IN_FLIGHT,
-                false => EAGER_MAX,
-            },
+            remote: self.remote_reads && len > eager_max,
         });
         Ok(self.requests.post(Direction::Send))
     }
