@@ -34,11 +34,13 @@ def iterations(nbytes):
 
 
 def paced(nbytes, iters, pace):
-    """Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
-    warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule)."""
-    if nbytes <= SMALL or nbytes > BIG or pace <= 0:
+    """Up to 64 MiB, as many timed calls as fill 50 ms at the warm-up's
+    pace (the slowest rank's): 1000 to a million up to 64 KiB, 20 to 1000
+    above (collbench's rule)."""
+    if nbytes > BIG or pace <= 0:
         return iters
-    return min(1000, max(20, math.ceil(0.05 / pace)))
+    lo, hi = (1000, 1000000) if nbytes <= SMALL else (20, 1000)
+    return min(hi, max(lo, math.ceil(0.05 / pace)))
 
 
 def pattern(rank, count):

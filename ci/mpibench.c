@@ -2,8 +2,9 @@
  * mpibench: the MPI side of ci/compare.sh. Measures MPI_Allreduce (float,
  * sum), MPI_Alltoall, MPI_Reduce_scatter_block, MPI_Allgather, MPI_Bcast or
  * MPI_Reduce (root 0) with collbench's rules, so the two compare directly:
- * same sizes, same iteration counts (1000 up to 64 KiB, 20 up to 64 MiB,
- * fewer above; warmup 100, 5, then 0 as the check warms), time = mean per call, maximum over
+ * same sizes, same iteration counts (up to 64 MiB as many as fill 50 ms,
+ * at least 1000 up to 64 KiB and 20 above; fewer above 64 MiB; warmup 100,
+ * 5, then 0 as the check warms), time = mean per call, maximum over
  * ranks, busbw = algbw x 2(n-1)/n (allreduce), (n-1)/n (alltoall,
  * reducescatter, allgather) or 1 (broadcast, reduce), and
  * every result element checked before timing. Prints one line per size:
@@ -46,14 +47,16 @@ static void *buffer(size_t bytes) {
 /* Rank r's element i: small integers, exact in float whatever the order. */
 static float input(int r, size_t i) { return (float)((int)(i % 7) - 3 + r); }
 
-/* Between 64 KiB and 64 MiB, as many timed calls as fill 50 ms at the
- * warm-up's pace (the slowest rank's), 20 to 1000 (collbench's rule). */
+/* Up to 64 MiB, as many timed calls as fill 50 ms at the warm-up's pace
+ * (the slowest rank's): 1000 to a million up to 64 KiB, 20 to 1000 above
+ * (collbench's rule). */
 static const size_t small = 64u << 10, big = 64u << 20;
 
 static int paced(size_t bytes, int iters, double pace) {
-    if (bytes <= small || bytes > big || pace <= 0) return iters;
-    double want = ceil(0.05 / pace);
-    return want < 20 ? 20 : want > 1000 ? 1000 : (int)want;
+    if (bytes > big || pace <= 0) return iters;
+    double want = ceil(0.05 / pace), lo = bytes <= small ? 1000 : 20;
+    double hi = bytes <= small ? 1000000 : 1000;
+    return want < lo ? (int)lo : want > hi ? (int)hi : (int)want;
 }
 
 static void iterations(size_t bytes, int *iters, int *warmup) {

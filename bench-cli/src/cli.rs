@@ -119,13 +119,12 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', value_parser = size)]
     pub size: Option<Vec<u64>>,
 
-    /// Timed iterations per size [default: 1000 up to 64 KiB, where a call
-    /// takes microseconds and scheduling noise needs averaging out; up to
-    /// 64 MiB as many as fill 50 ms at the warm-up's pace, 20 to 1000 (so a
-    /// size spans several scheduler time slices: with other work on a core,
-    /// 20 calls of 1 MiB, 2 ms, fall in a good slice or a bad one); above,
-    /// fewer, so a size moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1
-    /// GiB]
+    /// Timed iterations per size [default: up to 64 MiB, as many as fill
+    /// 50 ms at the warm-up's pace, so that a size spans several scheduler
+    /// time slices (with other work on a core, 1000 calls of 8 B, 0.3 ms,
+    /// or 20 of 1 MiB, 2 ms, fall in a good slice or a bad one): 1000 to a
+    /// million up to 64 KiB, 20 to 1000 above; above 64 MiB, fewer, so a
+    /// size moves about 1.3 GiB per rank: 5 at 256 MiB, 2 at 1 GiB]
     #[arg(long)]
     pub iters: Option<usize>,
 
@@ -405,26 +404,37 @@ impl BenchArgs {
         (iters.max(1), warmup)
     }
 
+    /// Whether a size's timed iterations are [`paced`](Self::paced).
+    pub fn paces(&self, bytes: u64) -> bool {
+        self.iters.is_none() && bytes <= BIG
+    }
+
     /// The timed iterations of a size whose warm-up calls took `pace`
     /// seconds each (the slowest rank's, so that every rank agrees): as
-    /// many as fill `PACED_SPAN`, within `PACED_ITERS`, for sizes between
-    /// `SMALL` and `BIG` when `--iters` was not given; else `iters`.
+    /// many as fill `PACED_SPAN`, within `SMALL_ITERS` up to `SMALL` and
+    /// `PACED_ITERS` up to `BIG`, when `--iters` was not given; else `iters`.
     pub fn paced(&self, bytes: u64, iters: usize, pace: f64) -> usize {
-        if self.iters.is_some() || bytes <= SMALL || bytes > BIG || pace <= 0.0 {
+        if !self.paces(bytes) || pace <= 0.0 {
             return iters;
         }
+        let range = if bytes <= SMALL {
+            SMALL_ITERS
+        } else {
+            PACED_ITERS
+        };
         // `as` saturates: a pace of a few ns is no overflow.
         let want = (PACED_SPAN / pace).ceil() as usize;
-        want.clamp(*PACED_ITERS.start(), *PACED_ITERS.end())
+        want.clamp(*range.start(), *range.end())
     }
 }
 
-/// Up to this size a call takes microseconds: fixed counts, many calls.
+/// Up to this size a call takes microseconds: many calls (`SMALL_ITERS`).
 const SMALL: u64 = 64 << 10;
 /// Above this size, a count that moves about 1.3 GiB per rank.
 const BIG: u64 = 64 << 20;
-/// Between the two, seconds of timed calls (see `--iters`).
+/// Up to `BIG`, seconds of timed calls (see `--iters`), in so many calls.
 const PACED_SPAN: f64 = 0.05;
+const SMALL_ITERS: std::ops::RangeInclusive<usize> = 1000..=1_000_000;
 const PACED_ITERS: std::ops::RangeInclusive<usize> = 20..=1000;
 
 /// Sizes from `lo` to `hi` (both included when `hi` is on the way), each
@@ -445,4 +455,36 @@ fn sweep(lo: u64, hi: u64, factor: f64) -> Result<Vec<u64>, String> {
         sizes.push(next.max(last + 1));
     }
     Ok(sizes)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    fn args(extra: &[&str]) -> BenchArgs {
+        let cli = Cli::try_parse_from([&["collbench", "allreduce"], extra].concat()).unwrap();
+        match cli.command {
+            Command::Allreduce(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn timed_calls_fill_the_span_within_each_sizes_bounds() {
+        let a = args(&[]);
+        // 8 B at 0.1 us a call: 50 ms is half a million calls (rounded up).
+        assert!((500_000..=500_001).contains(&a.paced(8, 1000, 1e-7)));
+        assert_eq!(a.paced(8, 1000, 1e-9), 1_000_000);
+        assert_eq!(a.paced(64 << 10, 1000, 1e-3), 1000);
+        // 1 MiB at 100 us: 500, within 20..=1000.
+        assert!((500..=501).contains(&a.paced(1 << 20, 20, 1e-4)));
+        assert_eq!(a.paced(1 << 20, 20, 1.0), 20);
+        // Above 64 MiB, and with --iters, the count stands.
+        assert_eq!(a.paced(256 << 20, 5, 1e-4), 5);
+        let fixed = args(&["--iters", "7"]);
+        assert_eq!(fixed.paced(8, 7, 1e-7), 7);
+        assert!(!fixed.paces(8));
+    }
 }

@@ -342,13 +342,17 @@ fn print_preamble(
     let (iters, warmup) = args.iterations(smallest);
     writeln!(
         out,
-        "# datatype {}{}, check {}, iterations {iters} (warmup {warmup}) at {}, after {} ms of barriers{}",
+        "# datatype {}{}, check {}, iterations {iters}{} (warmup {warmup}) at {}, after {} ms of barriers{}",
         bench::describe_dtype(args.dtype),
         match bench.collective.rooted() {
             true => format!(", root {}", args.root),
             false => String::new(),
         },
         if args.check == 1 { "on" } else { "off" },
+        match args.paces(smallest) {
+            true => " or more, to fill 50 ms",
+            false => "",
+        },
         human_bytes(smallest),
         args.settle,
         match args.fresh {
