@@ -433,7 +433,7 @@ const SMALL: u64 = 64 << 10;
 /// Above this size, a count that moves about 1.3 GiB per rank.
 const BIG: u64 = 64 << 20;
 /// Up to `BIG`, seconds of timed calls (see `--iters`), in so many calls.
-const PACED_SPAN: f64 = 0.05;
+pub const PACED_SPAN: f64 = 0.05;
 const SMALL_ITERS: std::ops::RangeInclusive<usize> = 1000..=1_000_000;
 const PACED_ITERS: std::ops::RangeInclusive<usize> = 20..=1000;
 

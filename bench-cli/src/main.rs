@@ -350,8 +350,8 @@ fn print_preamble(
         },
         if args.check == 1 { "on" } else { "off" },
         match args.paces(smallest) {
-            true => " or more, to fill 50 ms",
-            false => "",
+            true => format!(" or more, to fill {} ms", cli::PACED_SPAN * 1e3),
+            false => String::new(),
         },
         human_bytes(smallest),
         args.settle,
