@@ -137,10 +137,12 @@ pub struct BenchArgs {
     /// where the scheduler will keep it: a job's ranks start wherever the
     /// kernel forks them and move between the cores for the next tens of
     /// milliseconds (with other work on a core, 3 ms stalls meanwhile, which
-    /// 1000 calls of 8 B would average into 5 us a call). 0: none. (mpirun
-    /// and torch take 0.3 s and more to start their ranks, which settles
-    /// them)
-    #[arg(long, default_value_t = 100)]
+    /// 1000 calls of 8 B would average into 5 us a call), and on a VM calls
+    /// run up to 3x slower for the first 100-250 ms (2-rank 8 B Broadcast
+    /// 0.15-0.32 us a call, then 0.08-0.15 as the minute goes). 0: none.
+    /// (mpirun and torch take 0.3 s and more to start their ranks, which
+    /// settles them)
+    #[arg(long, default_value_t = 300)]
     pub settle: u64,
 
     /// Rewrite every cache line of each call's input just before the call
