@@ -35,12 +35,12 @@ def iterations(nbytes):
 
 def paced(nbytes, iters, pace):
     """Up to 64 MiB, as many timed calls as fill 50 ms at the warm-up's
-    pace (the slowest rank's): 1000 to a million up to 64 KiB, 20 to 1000
-    above (collbench's rule)."""
+    pace (the slowest rank's), from `iterations`' count up to a million up
+    to 64 KiB, to 1000 above (collbench's rule)."""
     if nbytes > BIG or pace <= 0:
         return iters
-    lo, hi = (1000, 1000000) if nbytes <= SMALL else (20, 1000)
-    return min(hi, max(lo, math.ceil(0.05 / pace)))
+    most = 1000000 if nbytes <= SMALL else 1000
+    return max(iters, min(most, math.ceil(0.05 / pace)))
 
 
 def pattern(rank, count):

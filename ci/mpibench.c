@@ -48,15 +48,15 @@ static void *buffer(size_t bytes) {
 static float input(int r, size_t i) { return (float)((int)(i % 7) - 3 + r); }
 
 /* Up to 64 MiB, as many timed calls as fill 50 ms at the warm-up's pace
- * (the slowest rank's): 1000 to a million up to 64 KiB, 20 to 1000 above
- * (collbench's rule). */
+ * (the slowest rank's), from `iterations`' count up to a million up to 64
+ * KiB, to 1000 above (collbench's rule). */
 static const size_t small = 64u << 10, big = 64u << 20;
 
 static int paced(size_t bytes, int iters, double pace) {
     if (bytes > big || pace <= 0) return iters;
-    double want = ceil(0.05 / pace), lo = bytes <= small ? 1000 : 20;
-    double hi = bytes <= small ? 1000000 : 1000;
-    return want < lo ? (int)lo : want > hi ? (int)hi : (int)want;
+    double want = ceil(0.05 / pace), most = bytes <= small ? 1000000 : 1000;
+    if (want > most) want = most;
+    return want < iters ? iters : (int)want;
 }
 
 static void iterations(size_t bytes, int *iters, int *warmup) {

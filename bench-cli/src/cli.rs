@@ -413,31 +413,31 @@ impl BenchArgs {
 
     /// The timed iterations of a size whose warm-up calls took `pace`
     /// seconds each (the slowest rank's, so that every rank agrees): as
-    /// many as fill `PACED_SPAN`, within `SMALL_ITERS` up to `SMALL` and
-    /// `PACED_ITERS` up to `BIG`, when `--iters` was not given; else `iters`.
+    /// many as fill `PACED_SPAN`, from `iters` (`iterations`' count, the
+    /// least) up to `SMALL_MAX_ITERS` or `PACED_MAX_ITERS`, when `--iters`
+    /// was not given; else `iters`.
     pub fn paced(&self, bytes: u64, iters: usize, pace: f64) -> usize {
         if !self.paces(bytes) || pace <= 0.0 {
             return iters;
         }
-        let range = if bytes <= SMALL {
-            SMALL_ITERS
-        } else {
-            PACED_ITERS
+        let most = match bytes <= SMALL {
+            true => SMALL_MAX_ITERS,
+            false => PACED_MAX_ITERS,
         };
         // `as` saturates: a pace of a few ns is no overflow.
         let want = (PACED_SPAN / pace).ceil() as usize;
-        want.clamp(*range.start(), *range.end())
+        want.min(most).max(iters)
     }
 }
 
-/// Up to this size a call takes microseconds: many calls (`SMALL_ITERS`).
+/// Up to this size a call takes microseconds: at least 1000 calls.
 const SMALL: u64 = 64 << 10;
 /// Above this size, a count that moves about 1.3 GiB per rank.
 const BIG: u64 = 64 << 20;
-/// Up to `BIG`, seconds of timed calls (see `--iters`), in so many calls.
+/// Up to `BIG`, seconds of timed calls (see `--iters`), in at most so many.
 pub const PACED_SPAN: f64 = 0.05;
-const SMALL_ITERS: std::ops::RangeInclusive<usize> = 1000..=1_000_000;
-const PACED_ITERS: std::ops::RangeInclusive<usize> = 20..=1000;
+const SMALL_MAX_ITERS: usize = 1_000_000;
+const PACED_MAX_ITERS: usize = 1000;
 
 /// Sizes from `lo` to `hi` (both included when `hi` is on the way), each
 /// `factor` times the one before (at least one byte more).

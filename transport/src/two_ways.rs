@@ -60,7 +60,8 @@ impl TwoWays {
         costs[1] != 0 && self.other_wins(costs)
     }
 
-    /// Whether `[usual, other]` (both measured) favour the other way.
+    /// Whether `[usual, other]` favour the other way (an unmeasured usual
+    /// way, 0, never loses; callers rule out an unmeasured other way).
     fn other_wins(&self, [usual, other]: [u32; 2]) -> bool {
         u64::from(self.other_wins_by) * u64::from(other) < u64::from(usual)
     }
