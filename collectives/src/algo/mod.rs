@@ -268,7 +268,8 @@ pub const SCALE_MIN_RANKS: usize = 17;
 pub const BRUCK_MAX_BLOCK_BYTES: usize = 1 << 10;
 /// Broadcast and Reduce up to this size take the binomial tree (log2 n
 /// rounds), above it the chain (pipelined, bandwidth-optimal): the binomial
-/// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks).
+/// tree led at 256 KiB, the chain at 4 MiB (4 and 8 ranks). Broadcasts over
+/// shared memory go direct from [`DIRECT_BROADCAST_MIN_BYTES`].
 pub const BINOMIAL_MAX_BYTES: usize = 1 << 20;
 
 /// AllGathers over shared memory on this many ranks or more, with blocks
@@ -284,17 +285,22 @@ pub const BINOMIAL_MAX_BYTES: usize = 1 << 20;
 pub const DIRECT_ALLGATHER_MIN_RANKS: usize = 3;
 pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 
-/// Broadcasts over shared memory above this size go direct (every rank
-/// reads the root's chunks itself) rather than down the chain or the
+/// Broadcasts over shared memory of this size or more go direct (every
+/// rank reads the root's chunks itself) rather than down the chain or the
 /// binomial tree, whose hops each wait for a rank to be scheduled (shared
 /// memory, 2 cores, `collbench broadcast --algo`, in place, paired time
 /// ratios, 5-6 rounds: direct / chain 0.90 / 0.69 / 0.73 / 0.82 / 1.01 at 2
-/// / 4 / 8 / 16 / 256 MiB on 8 ranks, 0.76 at 16 MiB on 4; direct /
-/// binomial 0.95 / 0.85 / 0.78 at 2 / 4 / 8 MiB on 8 ranks, 1.26 / 1.00 /
-/// 0.82 on 4, and 1.08-1.13 at 256 KiB and 1 MiB, where the tree stays).
+/// / 4 / 8 / 16 / 256 MiB on 8 ranks, 0.76 at 16 MiB on 4). Below 2 MiB
+/// the tree kept up when a cache line crossed the cores in ~100 ns, but
+/// its second hop waits on the first, and in the minutes it took ~500 ns
+/// the tree took 2-4x direct's time (`ci/ab.py broadcast N SIZE 6 A
+/// COLL_ALGO=direct:A --ip`, direct / binomial: 0.66 / 0.83 / 0.80 / 0.85
+/// at 128 / 256 / 512 KiB / 1 MiB on 4 ranks, 0.97 / 0.80 / 0.89 / 1.00 on
+/// 8, 0.91 at 256 KiB on 3; with `COLL_TINY=0`, 0.82-0.84 at 64 KiB on 4
+/// and 8, but 1.14 at 4 KiB, where the flag path is the default anyway).
 /// Over sockets the root would copy every byte into n-1 of them: the chain
 /// stays there.
-pub const DIRECT_BROADCAST_MIN_BYTES: usize = BINOMIAL_MAX_BYTES + 1;
+pub const DIRECT_BROADCAST_MIN_BYTES: usize = 64 << 10;
 
 /// What the built-in thresholds know of a job besides the call.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -603,8 +609,9 @@ mod tests {
             ..Topology::new(vec![(0..n).collect()])
         };
         let pick = |bytes, t: Topology| select(Broadcast, bytes, &t).0.name;
-        assert_eq!(pick(BINOMIAL_MAX_BYTES, memory(8)), "binomial");
+        assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES - 4, memory(8)), "binomial");
         assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES, memory(8)), "direct");
+        assert_eq!(pick(BINOMIAL_MAX_BYTES, memory(4)), "direct");
         let sockets = Topology::new(vec![(0..8).collect()]);
         assert_eq!(pick(16 << 20, sockets.clone()), "chain");
         // AllGather likewise from 3 ranks and 64 KiB blocks.
