@@ -290,14 +290,17 @@ pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 /// binomial tree, whose hops each wait for a rank to be scheduled (shared
 /// memory, 2 cores, `collbench broadcast --algo`, in place, paired time
 /// ratios, 5-6 rounds: direct / chain 0.90 / 0.69 / 0.73 / 0.82 / 1.01 at 2
-/// / 4 / 8 / 16 / 256 MiB on 8 ranks, 0.76 at 16 MiB on 4). Below 2 MiB
-/// the tree kept up when a cache line crossed the cores in ~100 ns, but
-/// its second hop waits on the first, and in the minutes it took ~500 ns
-/// the tree took 2-4x direct's time (`ci/ab.py broadcast N SIZE 6 A
-/// COLL_ALGO=direct:A --ip`, direct / binomial: 0.66 / 0.83 / 0.80 / 0.85
-/// at 128 / 256 / 512 KiB / 1 MiB on 4 ranks, 0.97 / 0.80 / 0.89 / 1.00 on
-/// 8, 0.91 at 256 KiB on 3; with `COLL_TINY=0`, 0.82-0.84 at 64 KiB on 4
-/// and 8, but 1.14 at 4 KiB, where the flag path is the default anyway).
+/// / 4 / 8 / 16 / 256 MiB on 8 ranks, 0.76 at 16 MiB on 4; direct /
+/// binomial 0.95 / 0.85 / 0.78 at 2 / 4 / 8 MiB on 8 ranks, 1.26 / 1.00 /
+/// 0.82 on 4). At 256 KiB and 1 MiB the tree once took 0.88-0.93x direct's
+/// time, in minutes when a cache line crossed the cores in ~100 ns; but its
+/// second hop waits on its first, and in the minutes it took ~500 ns the
+/// tree took 2-4x direct's time (`ci/ab.py broadcast N SIZE 6 A
+/// COLL_ALGO=direct:A --ip`, direct / binomial over minutes of both kinds:
+/// 0.66 / 0.83 / 0.80 / 0.85 at 128 / 256 / 512 KiB / 1 MiB on 4 ranks,
+/// 0.97 / 0.80 / 0.89 / 1.00 on 8, 0.91 at 256 KiB on 3; with
+/// `COLL_TINY=0`, 0.82-0.84 at 64 KiB on 4 and 8, but 1.14 at 4 KiB,
+/// where the flag path is the default anyway).
 /// Over sockets the root would copy every byte into n-1 of them: the chain
 /// stays there.
 pub const DIRECT_BROADCAST_MIN_BYTES: usize = 64 << 10;
