@@ -298,12 +298,13 @@ pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 /// tree took 2-4x direct's time (`ci/ab.py broadcast N SIZE 6 A
 /// COLL_ALGO=direct:A --ip`, direct / binomial over minutes of both kinds:
 /// 0.66 / 0.83 / 0.80 / 0.85 at 128 / 256 / 512 KiB / 1 MiB on 4 ranks,
-/// 0.97 / 0.80 / 0.89 / 1.00 on 8, 0.91 at 256 KiB on 3; with
-/// `COLL_TINY=0`, 0.82-0.84 at 64 KiB on 4 and 8, but 1.14 at 4 KiB,
-/// where the flag path is the default anyway).
+/// 0.97 / 0.80 / 0.89 / 1.00 on 8, 0.91 at 256 KiB on 3; over all 16
+/// paired series 0.88, three of them 1.05-1.19). From where the flag path
+/// ends by default: with `COLL_TINY=0`, direct took 0.82-0.84x the tree's
+/// time at 64 KiB on 4 and 8 ranks, but 1.14x at 4 KiB.
 /// Over sockets the root would copy every byte into n-1 of them: the chain
 /// stays there.
-pub const DIRECT_BROADCAST_MIN_BYTES: usize = 64 << 10;
+pub const DIRECT_BROADCAST_MIN_BYTES: usize = crate::config::DEFAULT_TINY_BYTES;
 
 /// What the built-in thresholds know of a job besides the call.
 #[derive(Clone, Debug, PartialEq, Eq)]
