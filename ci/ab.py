@@ -15,7 +15,9 @@ target/release/collbench /tmp/cb-a), then rebuild. --fresh: every binary,
 Open MPI's too, rewrites each call's input before the call (collbench
 --fresh). --tcp: every binary over TCP on loopback (ours COLL_TRANSPORT=tcp,
 Open MPI's btl tcp on lo). A BIN may carry COLL_* settings before the path
-(COLL_CHUNK=256K:/tmp/cb-a). SIZE takes K, M and G suffixes for every binary.
+(COLL_CHUNK=256K:/tmp/cb-a); BUSY=1 (BUSY=1:mpi too) runs that binary
+beside a busy loop (as --busy), so that one series has a build idle and
+busy in the same minutes: the goal's "busy within 3x of idle". SIZE takes K, M and G suffixes for every binary.
 --huge: every binary also runs a 16 MiB size after SIZE, so that its
 buffers are sized, and advised into transparent huge pages, as in a sweep
 up to 16 MiB (ci/compare.sh's): buffers below 2 MiB get no huge pages, so a
@@ -48,7 +50,16 @@ def in_bytes(size):
 HUGE = "16M"
 
 
-def run(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
+def run(binary, *args):
+    """`run_one`, beside a busy loop if the binary carries BUSY=1."""
+    *settings, path = binary.split(":")
+    busy = "BUSY=1" in settings
+    settings = [s for s in settings if s != "BUSY=1"]
+    with busy_loop(busy):
+        return run_one(":".join(settings + [path]), *args)
+
+
+def run_one(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
     # The size asked for comes first: its row is the first of the output.
     sizes = [size] + [HUGE] * (huge and int(in_bytes(size)) < int(in_bytes(HUGE)))
     if binary == "mpi":
