@@ -16,8 +16,9 @@ Open MPI's too, rewrites each call's input before the call (collbench
 --fresh). --tcp: every binary over TCP on loopback (ours COLL_TRANSPORT=tcp,
 Open MPI's btl tcp on lo). A BIN may carry COLL_* settings before the path
 (COLL_CHUNK=256K:/tmp/cb-a); BUSY=1 (BUSY=1:mpi too) runs that binary
-beside a busy loop (as --busy), so that one series has a build idle and
-busy in the same minutes: the goal's "busy within 3x of idle". SIZE takes K, M and G suffixes for every binary.
+beside a busy loop (as --busy, which would add a second one), so that one
+series has a build idle and busy in the same minutes: the goal's "busy
+within 3x of idle". SIZE takes K, M and G suffixes for every binary.
 --huge: every binary also runs a 16 MiB size after SIZE, so that its
 buffers are sized, and advised into transparent huge pages, as in a sweep
 up to 16 MiB (ci/compare.sh's): buffers below 2 MiB get no huge pages, so a
