@@ -52,15 +52,16 @@ HUGE = "16M"
 
 
 def run(binary, *args):
-    """`run_one`, beside a busy loop if the binary carries BUSY=1."""
+    """`binary`'s time per call: its settings (KEY=VALUE: before the path,
+    BUSY=1 for a busy loop beside it) split off once, the rest as
+    `run_one`'s environment."""
     *settings, path = binary.split(":")
-    busy = "BUSY=1" in settings
-    settings = [s for s in settings if s != "BUSY=1"]
-    with busy_loop(busy):
-        return run_one(":".join(settings + [path]), *args)
+    settings = dict(s.split("=", 1) for s in settings)
+    with busy_loop(settings.pop("BUSY", None) == "1"):
+        return run_one(path, settings, *args)
 
 
-def run_one(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
+def run_one(binary, settings, coll, ranks, size, iters, fresh, tcp, ip, huge):
     # The size asked for comes first: its row is the first of the output.
     sizes = [size] + [HUGE] * (huge and int(in_bytes(size)) < int(in_bytes(HUGE)))
     if binary == "mpi":
@@ -72,8 +73,7 @@ def run_one(binary, coll, ranks, size, iters, fresh, tcp, ip, huge):
                              capture_output=True, text=True, env=env, check=True).stdout
         row = next(line.split() for line in out.splitlines() if line[:1].isdigit())
         return float(row[5 if ip else 2])
-    *settings, binary = binary.split(":")
-    env = dict(os.environ, **dict(s.split("=", 1) for s in settings))
+    env = dict(os.environ, **settings)
     if tcp:
         env["COLL_TRANSPORT"] = "tcp"
     cmd = [binary, coll, "-n", ranks, "--size", ",".join(sizes), "--json", "-"]
