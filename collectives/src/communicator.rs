@@ -209,6 +209,7 @@ impl Communicator {
         let topology = Topology {
             hosts: hosts.clone(),
             crowded_sockets: crate::cpus::crowded_sockets(&config.transport, &table.peers, &hosts),
+            crowded: crate::cpus::crowded(&table.peers, &hosts),
             shared_memory: mesh::all_shared_memory(&mesh.via),
         };
         let tiny = crate::tiny::State::initial(config.tiny_bytes, &mesh.via);

@@ -39,8 +39,15 @@ pub(crate) fn spin(local_ranks: usize) -> Duration {
 /// from what every rank published (`transport` is a setting they share), so
 /// that all pick the same algorithms.
 pub(crate) fn crowded_sockets(transport: &str, peers: &[PeerInfo], hosts: &[Vec<Rank>]) -> bool {
+    transport == "tcp" && crowded(peers, hosts)
+}
+
+/// Whether the job is one host whose ranks outnumber its cores
+/// ([`Topology::crowded`](crate::algo::Topology)), from what every rank
+/// published, so that all pick the same algorithms.
+pub(crate) fn crowded(peers: &[PeerInfo], hosts: &[Vec<Rank>]) -> bool {
     let cores = peers.iter().map(|p| p.cores).min().unwrap_or(0);
-    transport == "tcp" && hosts.len() == 1 && peers.len() > cores
+    hosts.len() == 1 && peers.len() > cores
 }
 
 /// The cores this job's ranks on this host may use (read once).
@@ -117,8 +124,10 @@ mod tests {
         let hosts = [vec![0, 1, 2]];
         assert!(crowded_sockets("tcp", &one_host, &hosts));
         assert!(!crowded_sockets("auto", &one_host, &hosts));
+        assert!(crowded(&one_host, &hosts));
         assert!(!crowded_sockets("tcp", &one_host[..2], &[vec![0, 1]]));
         let two_hosts = [peer(0, "a", 1), peer(1, "a", 1), peer(2, "b", 1)];
         assert!(!crowded_sockets("tcp", &two_hosts, &[vec![0, 1], vec![2]]));
+        assert!(!crowded(&two_hosts, &[vec![0, 1], vec![2]]));
     }
 }

@@ -930,9 +930,11 @@ impl Communicator {
         // by the receiver, it lands in the receiver's own cache; unless
         // our core is shared with other work, where our copies crawl and a
         // sender with a core of its own is better placed to make them
-        // (2-rank Broadcast of 16 MiB beside a busy loop: 0.70-0.78x the time).
+        // (2-rank Broadcast of 16 MiB beside a busy loop: 0.70-0.78x the time),
+        // or from a sender with nothing else to do (`Schedule::sender_writes`).
         // Staging slots follow the call's buffers (`Transfers::post`).
-        let writes = desc.collective.reduces() || transport::core_shared();
+        let helped = run.sched.sender_writes;
+        let writes = desc.collective.reduces() || helped || transport::core_shared();
         // Out of place only: in place, a block read in place holds up the
         // staged receive that overwrites it (4-rank AllToAll of 128 KiB:
         // 1.74x the time; out of place 0.80x).
@@ -940,6 +942,14 @@ impl Communicator {
         run.input = match input {
             Some(b) => Some(
                 self.region(b, false, all_in_flight)
+                    .map(|r| match helped {
+                        // Its copy to our output is ours to make.
+                        true => Region {
+                            mr: r.mr.declines_help(),
+                            ..r
+                        },
+                        false => r,
+                    })
                     .map_err(|e| Error::collective(rank, desc, e))?,
             ),
             None => None,

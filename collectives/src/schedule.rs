@@ -115,6 +115,9 @@ pub(crate) struct Schedule {
     /// Every send is posted at once, none waits on a receive (see
     /// [`all_in_flight`](Self::all_in_flight)).
     pub(crate) all_in_flight: bool,
+    /// Receivers let the sender write what they receive (see
+    /// [`sender_writes`](Self::sender_writes)).
+    pub(crate) sender_writes: bool,
 }
 
 impl Schedule {
@@ -247,6 +250,15 @@ impl Schedule {
         self.all_in_flight = true;
     }
 
+    /// A sender with nothing else to do may copy what its peers receive
+    /// into their buffers itself while they read other messages (an
+    /// in-place Broadcast's root: `MemRegion::allow_peer_writes`); one
+    /// that sends out of an input buffer copies that to its output
+    /// meanwhile, and declines (`MemRegion::declines_help`).
+    pub fn sender_writes(&mut self) {
+        self.sender_writes = true;
+    }
+
     /// The peers this schedule sends to, ascending (for tests of algorithms).
     #[cfg(test)]
     pub fn send_peers(&self) -> Vec<Rank> {
@@ -268,6 +280,7 @@ impl Schedule {
         self.operands.clear();
         self.scratch = 0;
         self.all_in_flight = false;
+        self.sender_writes = false;
     }
 }
 

@@ -23,6 +23,9 @@ pub struct MemRegion {
     /// Whether sends from here may be read in place from a smaller size
     /// (see [`all_in_flight`](Self::all_in_flight)).
     all_in_flight: bool,
+    /// Whether sends from here take up no offer to write (see
+    /// [`declines_help`](Self::declines_help)).
+    declines_help: bool,
 }
 
 type Key = Arc<dyn Any + Send + Sync>;
@@ -36,6 +39,7 @@ impl MemRegion {
             keys: Some(Arc::from([Key::from(key)])),
             peer_writes: false,
             all_in_flight: false,
+            declines_help: false,
         }
     }
 
@@ -47,6 +51,7 @@ impl MemRegion {
             keys: None,
             peer_writes: false,
             all_in_flight: false,
+            declines_help: false,
         }
     }
 
@@ -78,9 +83,24 @@ impl MemRegion {
         self
     }
 
+    /// Says that the sender has copies of its own to make while its sends
+    /// from this range are read (an out-of-place Broadcast's root copies
+    /// its input to its output): it takes up no receiver's offer to write
+    /// them itself (see [`allow_peer_writes`](Self::allow_peer_writes)),
+    /// which would leave the receiver waiting on a sender with twice its work.
+    pub fn declines_help(mut self) -> Self {
+        self.declines_help = true;
+        self
+    }
+
     /// Whether [`all_in_flight`](Self::all_in_flight) was given.
     pub fn is_all_in_flight(&self) -> bool {
         self.all_in_flight
+    }
+
+    /// Whether [`declines_help`](Self::declines_help) was given.
+    pub fn is_declining_help(&self) -> bool {
+        self.declines_help
     }
 
     pub fn addr(&self) -> *const u8 {
@@ -148,6 +168,7 @@ pub fn register_all<'a>(
         keys: (!keys.is_empty()).then(|| Arc::from(keys)),
         peer_writes: false,
         all_in_flight: false,
+        declines_help: false,
     })
 }
 

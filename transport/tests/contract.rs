@@ -132,10 +132,16 @@ fn messages_arrive_whole_and_in_order(make: fn() -> Box<dyn Transport>) {
 
 /// Receives into memory peers may write (over shared memory the sender
 /// then copies some messages in itself while the receiver works on others)
-/// arrive whole and in order, and nothing lands between them. The receiver
-/// turns away after each message lands, which gives the sender time to
-/// take up offers.
+/// arrive whole and in order, and nothing lands between them, whether the
+/// sender takes up such offers or declines them (`declines`: its sends come
+/// from a region that says so). The receiver turns away after each message
+/// lands, which gives the sender time to take up offers.
 fn receives_peers_may_write_arrive_whole(make: fn() -> Box<dyn Transport>) {
+    peers_may_write(make, false);
+    peers_may_write(make, true);
+}
+
+fn peers_may_write(make: fn() -> Box<dyn Transport>, declines: bool) {
     const N: usize = 64;
     const LEN: usize = 128 << 10;
     // A gap after each receive shows a write at a wrong place.
@@ -145,6 +151,7 @@ fn receives_peers_may_write_arrive_whole(make: fn() -> Box<dyn Transport>) {
     let src: Vec<u8> = (0..N * LEN).map(|i| (i * 13 % 251) as u8).collect();
     let mut dst = vec![0u8; N * STRIDE];
     let rs = t.register(src.as_ptr(), src.len()).unwrap();
+    let rs = if declines { rs.declines_help() } else { rs };
     let rd = t
         .register(dst.as_mut_ptr(), dst.len())
         .unwrap()
@@ -182,7 +189,7 @@ fn receives_peers_may_write_arrive_whole(make: fn() -> Box<dyn Transport>) {
     for i in 0..N {
         assert!(
             dst[i * STRIDE..][..LEN] == want[i * LEN..][..LEN],
-            "message {i} differs"
+            "message {i} differs (sender declines help: {declines})"
         );
         assert!(
             dst[i * STRIDE + LEN..][..STRIDE - LEN]

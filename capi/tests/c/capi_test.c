@@ -155,6 +155,7 @@ static void *fill(collDataType_t dt, size_t count, collRedOp_t op, int r) {
 /* ---- the calls ---- */
 
 #define COUNT 1003 /* odd: blocks of uneven chunks */
+#define BIG_COUNT ((1 << 18) + 3) /* 256 KiB and more: past the shared flags */
 
 static void test_allreduce(collComm_t comm, int d) {
   collDataType_t dt = DTYPES[d];
@@ -177,21 +178,31 @@ static void test_allreduce(collComm_t comm, int d) {
   }
 }
 
+/* Broadcasts small (through shared flags on one host) and large (over
+ * shared memory, two halves read from the root's memory, the second
+ * written by the root when it broadcasts in place), with every rank in
+ * place, none, and each half of the ranks either way: NCCL lets a non-root
+ * pass any sendbuff, so the root's form and its peers' may differ. */
 static void test_broadcast_reduce(collComm_t comm, int d) {
   collDataType_t dt = DTYPES[d];
   int root = nranks - 1;
-  for (int in_place = 0; in_place < 2; in_place++) {
-    void *send = fill(dt, COUNT, collSum, rank);
-    void *recv = in_place ? send : malloc(COUNT * elem_size(dt));
-    CHECK(comm, collBroadcast(send, recv, COUNT, dt, root, comm));
-    for (size_t i = 0; i < COUNT; i++)
-      if (get(dt, recv, i) != value(collSum, root, i)) {
-        EXPECT(0, "broadcast %s in_place %d: [%zu] wrong", DTYPE_NAMES[d], in_place, i);
-        break;
-      }
-    if (!in_place) free(recv);
-    free(send);
-  }
+  size_t counts[2] = {COUNT, BIG_COUNT};
+  for (int c = 0; c < 2; c++)
+    for (int form = 0; form < 4; form++) {
+      int in_place = form < 2 ? form : (rank + form) % 2;
+      size_t n = counts[c];
+      void *send = fill(dt, n, collSum, rank);
+      void *recv = in_place ? send : malloc(n * elem_size(dt));
+      CHECK(comm, collBroadcast(send, recv, n, dt, root, comm));
+      for (size_t i = 0; i < n; i++)
+        if (get(dt, recv, i) != value(collSum, root, i)) {
+          EXPECT(0, "broadcast %s of %zu, form %d (in place here: %d): [%zu] wrong", DTYPE_NAMES[d], n,
+                 form, in_place, i);
+          break;
+        }
+      if (!in_place) free(recv);
+      free(send);
+    }
   /* Reduce to rank 0, recvbuff NULL elsewhere (NCCL allows it). */
   void *send = fill(dt, COUNT, collMax, rank);
   void *recv = rank == 0 ? malloc(COUNT * elem_size(dt)) : NULL;

@@ -17,6 +17,14 @@
 //! root's memory is read n-1 times where the chain reads each rank's once,
 //! but no chunk waits for a rank to be scheduled to pass it on: on one host
 //! whose ranks outnumber its cores, each chain hop waits for one.
+//!
+//! Direct Broadcast in halves ("halves"): the same, with the root's buffer
+//! sent as two messages instead of chunks, for shared memory, where each
+//! peer reads them from the root's memory (nothing waits in staging slots,
+//! nor for the root to be scheduled to post the next chunk). In place the
+//! root has nothing to copy: a peer reading the first half lets the root
+//! write the second (`Schedule::sender_writes`), so two cores copy where
+//! one did.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Action, Buf, Schedule, Span, StepId};
@@ -44,6 +52,14 @@ pub(super) const BROADCAST: Algorithm = Algorithm {
     summary: "the root sends every chunk to every other rank; no chunk waits to be forwarded",
     in_place: true,
     build: broadcast,
+};
+
+pub(super) const BROADCAST_HALVES: Algorithm = Algorithm {
+    name: "halves",
+    collective: Collective::Broadcast,
+    summary: "the root sends its buffer to every other rank in two halves; in place it writes one while each reads the other; for shared memory",
+    in_place: true,
+    build: broadcast_in_halves,
 };
 
 pub(super) const REDUCE: Algorithm = Algorithm {
@@ -84,6 +100,21 @@ fn broadcast(l: &Layout, s: &mut Schedule) {
             s.send(p, c, None);
         }
     }
+}
+
+/// The largest half [`broadcast_in_halves`] sends as one message (larger
+/// buffers go in more parts): within what one RDMA write carries (2 GiB),
+/// should a user force the algorithm over verbs.
+const MAX_PART: usize = 1 << 30;
+
+fn broadcast_in_halves(l: &Layout, s: &mut Schedule) {
+    let half = (l.count.div_ceil(2) * l.elem).max(l.elem);
+    let halves = Layout {
+        chunk: half.min(MAX_PART / l.elem * l.elem),
+        ..*l
+    };
+    s.sender_writes();
+    broadcast(&halves, s);
 }
 
 fn build(l: &Layout, s: &mut Schedule) {

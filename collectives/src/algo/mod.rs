@@ -226,6 +226,7 @@ pub static ALGORITHMS: &[Algorithm] = &[
     chain::BROADCAST,
     binomial::BROADCAST,
     direct::BROADCAST,
+    direct::BROADCAST_HALVES,
     chain::REDUCE,
     binomial::REDUCE,
     ring::REDUCE,
@@ -306,6 +307,18 @@ pub const DIRECT_ALLGATHER_MIN_BLOCK: usize = 64 << 10;
 /// stays there.
 pub const DIRECT_BROADCAST_MIN_BYTES: usize = crate::config::DEFAULT_TINY_BYTES;
 
+/// Broadcasts over shared memory go in halves (`direct::BROADCAST_HALVES`)
+/// rather than chunks wherever they go direct, but on a host whose ranks
+/// outnumber its cores only from this size, two default chunks: below it a
+/// second message costs more than the root's writes save. Shared memory, 2
+/// cores, in place, paired time ratios halves / chunks (`ci/ab.py broadcast
+/// N SIZE 6-8 A B --ip`): 2 ranks 0.67 / 0.54 / 0.54 / 0.63 at 256 KiB / 1
+/// / 16 / 256 MiB (out of place 1.21 / 1.08 / 1.02, 256 KiB / 1 / 16 MiB:
+/// the root copies its own and declines); 4 ranks 1.08 / 1.05 / 0.84 / 0.91
+/// / 0.87 / 0.87 at 256 KiB / 1 / 2 / 4 / 16 / 256 MiB; 8 ranks 0.96 / 1.06
+/// / 0.91 / 0.99 / 0.96 / 0.87 at the same sizes.
+pub const CROWDED_HALVES_MIN_BYTES: usize = 2 << 20;
+
 /// What the built-in thresholds know of a job besides the call.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Topology {
@@ -316,6 +329,9 @@ pub(crate) struct Topology {
     /// a context switch, so the algorithms that send fewer messages win
     /// (see [`CROWDED_TREE_MAX_BYTES`]).
     pub crowded_sockets: bool,
+    /// One host, whose ranks outnumber its cores: a rank that waits hands
+    /// its core to another (see [`CROWDED_HALVES_MIN_BYTES`]).
+    pub crowded: bool,
     /// Every message goes through shared memory (every rank on one host): a
     /// receiver reads its sender's memory itself (see [`DIRECT_BROADCAST_MIN_BYTES`]).
     pub shared_memory: bool,
@@ -327,6 +343,7 @@ impl Topology {
         Topology {
             hosts,
             crowded_sockets: false,
+            crowded: false,
             shared_memory: false,
         }
     }
@@ -460,6 +477,16 @@ pub(crate) fn select(
             (
                 &direct::ALLGATHER,
                 "shared memory, large blocks: no block waits n-1 hops around the ring",
+            )
+        }
+        Broadcast
+            if topology.shared_memory
+                && bytes >= DIRECT_BROADCAST_MIN_BYTES
+                && (!topology.crowded || bytes >= CROWDED_HALVES_MIN_BYTES) =>
+        {
+            (
+                &direct::BROADCAST_HALVES,
+                "shared memory, large message: every rank reads the root's halves, the root writes one in place",
             )
         }
         Broadcast if topology.shared_memory && bytes >= DIRECT_BROADCAST_MIN_BYTES => (
@@ -612,10 +639,18 @@ mod tests {
             shared_memory: true,
             ..Topology::new(vec![(0..n).collect()])
         };
+        let crowded = |n: usize| Topology {
+            crowded: true,
+            ..memory(n)
+        };
         let pick = |bytes, t: Topology| select(Broadcast, bytes, &t).0.name;
         assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES - 4, memory(8)), "binomial");
-        assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES, memory(8)), "direct");
-        assert_eq!(pick(BINOMIAL_MAX_BYTES, memory(4)), "direct");
+        assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES, memory(8)), "halves");
+        assert_eq!(pick(BINOMIAL_MAX_BYTES, memory(4)), "halves");
+        // Where ranks outnumber cores, in chunks below CROWDED_HALVES_MIN_BYTES.
+        assert_eq!(pick(DIRECT_BROADCAST_MIN_BYTES, crowded(8)), "direct");
+        assert_eq!(pick(CROWDED_HALVES_MIN_BYTES - 4, crowded(4)), "direct");
+        assert_eq!(pick(CROWDED_HALVES_MIN_BYTES, crowded(4)), "halves");
         let sockets = Topology::new(vec![(0..8).collect()]);
         assert_eq!(pick(16 << 20, sockets.clone()), "chain");
         // AllGather likewise from 3 ranks and 64 KiB blocks.

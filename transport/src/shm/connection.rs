@@ -67,6 +67,9 @@ struct Outgoing {
     /// Whether the receiver reads it from our memory (`process_vm_readv`),
     /// decided as it is posted.
     remote: bool,
+    /// Whether we may write it for the receiver when offered (see
+    /// [`MemRegion::declines_help`]).
+    helps: bool,
 }
 
 struct Incoming {
@@ -344,7 +347,9 @@ impl ShmConnection {
     /// Sender: the slot of published send `out`, if the receiver has not
     /// handed it back (`freed`) and offers us its copy.
     fn offered_slot(&self, out: &Outgoing, freed: u64) -> Option<u64> {
-        let seq = out.last_slot.filter(|seq| out.remote && *seq >= freed)?;
+        let seq = out
+            .last_slot
+            .filter(|seq| out.remote && out.helps && *seq >= freed)?;
         let word = self.seg.help(self.out_dir(), seq).0;
         (word.load(Ordering::Relaxed) == Help::OFFERED).then_some(seq)
     }
@@ -653,6 +658,7 @@ impl Connection for ShmConnection {
             published: 0,
             last_slot: None,
             remote: self.remote_reads && len > eager_max,
+            helps: !region.is_declining_help(),
         });
         Ok(self.requests.post(Direction::Send))
     }
