@@ -933,29 +933,30 @@ impl Communicator {
         // (2-rank Broadcast of 16 MiB beside a busy loop: 0.70-0.78x the time),
         // or from a sender with nothing else to do (`Schedule::sender_writes`).
         // Staging slots follow the call's buffers (`Transfers::post`).
-        let helped = run.sched.sender_writes;
-        let writes = desc.collective.reduces() || helped || transport::core_shared();
-        // Out of place only: in place, a block read in place holds up the
-        // staged receive that overwrites it (4-rank AllToAll of 128 KiB:
-        // 1.74x the time; out of place 0.80x).
-        let all_in_flight = run.sched.all_in_flight;
+        let sender_writes = run.sched.sender_writes;
+        let written = Access {
+            peer_writes: desc.collective.reduces() || sender_writes || transport::core_shared(),
+            ..Access::default()
+        };
+        // The input's sends only, out of place: in place, a block read in
+        // place holds up the staged receive that overwrites it (4-rank
+        // AllToAll of 128 KiB: 1.74x the time; out of place 0.80x). And a
+        // root whose peers offer it their copies (`sender_writes`) declines
+        // them for sends out of an input: it copies that to its output meanwhile.
+        let read = Access {
+            all_in_flight: run.sched.all_in_flight,
+            declines_help: sender_writes,
+            ..Access::default()
+        };
         run.input = match input {
             Some(b) => Some(
-                self.region(b, false, all_in_flight)
-                    .map(|r| match helped {
-                        // Its copy to our output is ours to make.
-                        true => Region {
-                            mr: r.mr.declines_help(),
-                            ..r
-                        },
-                        false => r,
-                    })
+                self.region(b, read)
                     .map_err(|e| Error::collective(rank, desc, e))?,
             ),
             None => None,
         };
         run.output = Some(
-            self.region(output, writes, false)
+            self.region(output, written)
                 .map_err(|e| Error::collective(rank, desc, e))?,
         );
         run.scratch = match run.sched.scratch {
@@ -967,7 +968,7 @@ impl Communicator {
                     len: bytes,
                 };
                 Some(
-                    self.region(b, writes, false)
+                    self.region(b, written)
                         .map_err(|e| Error::collective(rank, desc, e))?,
                 )
             }
@@ -1003,16 +1004,11 @@ impl Communicator {
     }
 
     /// `b` as the executor sees it: registered with every transport in use
-    /// (or found in the registration cache), writable by peers if `writes`,
-    /// its sends read in place from a smaller size if `all_in_flight`.
-    fn region(
-        &mut self,
-        b: RawBuf,
-        writes: bool,
-        all_in_flight: bool,
-    ) -> transport::Result<Region> {
+    /// (or found in the registration cache), flagged for the use `access`
+    /// says.
+    fn region(&mut self, b: RawBuf, access: Access) -> transport::Result<Region> {
         let ptr = b.ptr_or_dangling();
-        let mr = match self.registrations.lookup(ptr, b.len) {
+        let mut mr = match self.registrations.lookup(ptr, b.len) {
             Some(mr) => mr,
             None => {
                 let mr = transport::register_all(self.transports.iter().map(|t| &**t), ptr, b.len)?;
@@ -1022,18 +1018,34 @@ impl Communicator {
         };
         // A failed call aborts its connections, which takes back every
         // offer to write, before the caller gets its buffers back.
-        let mr = if writes { mr.allow_peer_writes() } else { mr };
-        let mr = if all_in_flight {
-            mr.all_in_flight()
-        } else {
-            mr
-        };
+        if access.peer_writes {
+            mr = mr.allow_peer_writes();
+        }
+        if access.all_in_flight {
+            mr = mr.all_in_flight();
+        }
+        if access.declines_help {
+            mr = mr.declines_help();
+        }
         Ok(Region {
             ptr,
             len: b.len,
             mr,
         })
     }
+}
+
+/// What the transport learns of how a call uses one of its buffers
+/// (`Communicator::region`; each flag is `transport::MemRegion`'s of the
+/// same name).
+#[derive(Clone, Copy, Default)]
+struct Access {
+    /// Peers may write the receives posted in it.
+    peer_writes: bool,
+    /// Its sends are all posted at once.
+    all_in_flight: bool,
+    /// Its sends take up no offer to write.
+    declines_help: bool,
 }
 
 /// Makes `buf` hold at least `bytes` bytes.

@@ -33,22 +33,20 @@ type Key = Arc<dyn Any + Send + Sync>;
 impl MemRegion {
     /// Wraps a transport's registration `key` for `len` bytes at `addr`.
     pub fn new(addr: *const u8, len: usize, key: Box<dyn Any + Send + Sync>) -> Self {
-        MemRegion {
-            addr: addr as usize,
-            len,
-            keys: Some(Arc::from([Key::from(key)])),
-            peer_writes: false,
-            all_in_flight: false,
-            declines_help: false,
-        }
+        Self::with_keys(addr, len, Some(Arc::from([Key::from(key)])))
     }
 
     /// A range that needs no registration.
     pub fn plain(addr: *const u8, len: usize) -> Self {
+        Self::with_keys(addr, len, None)
+    }
+
+    /// A range with these keys and none of the flags below.
+    fn with_keys(addr: *const u8, len: usize, keys: Option<Arc<[Key]>>) -> Self {
         MemRegion {
             addr: addr as usize,
             len,
-            keys: None,
+            keys,
             peer_writes: false,
             all_in_flight: false,
             declines_help: false,
@@ -162,14 +160,11 @@ pub fn register_all<'a>(
             keys.extend(k.iter().cloned());
         }
     }
-    Ok(MemRegion {
-        addr: addr as usize,
+    Ok(MemRegion::with_keys(
+        addr,
         len,
-        keys: (!keys.is_empty()).then(|| Arc::from(keys)),
-        peer_writes: false,
-        all_in_flight: false,
-        declines_help: false,
-    })
+        (!keys.is_empty()).then(|| Arc::from(keys)),
+    ))
 }
 
 /// Registrations kept for reuse, keyed by address range: a lookup hits when a

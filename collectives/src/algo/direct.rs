@@ -20,11 +20,10 @@
 //!
 //! Direct Broadcast in halves ("halves"): the same, with the root's buffer
 //! sent as two messages instead of chunks, for shared memory, where each
-//! peer reads them from the root's memory (nothing waits in staging slots,
-//! nor for the root to be scheduled to post the next chunk). In place the
-//! root has nothing to copy: a peer reading the first half lets the root
-//! write the second (`Schedule::sender_writes`), so two cores copy where
-//! one did.
+//! peer reads them from the root's memory: no peer waits for the root to be
+//! scheduled to post its next chunk. In place the root has nothing to copy:
+//! a peer reading the first half lets the root write the second
+//! (`Schedule::sender_writes`), so two cores copy where one did.
 
 use super::{Algorithm, Layout};
 use crate::schedule::{Action, Buf, Schedule, Span, StepId};
