@@ -437,6 +437,16 @@ mod verbs {
         )
     }
 
+    /// Messages cut into writes of 4 KiB: the megabyte ones take more
+    /// writes than the send queue holds, as messages over `MAX_WRITE` would.
+    fn verbs_small_writes() -> Box<dyn Transport> {
+        Box::new(
+            VerbsTransport::open(LOOPBACK)
+                .expect("an RDMA device")
+                .with_max_write(4096),
+        )
+    }
+
     fn available() -> bool {
         match VerbsTransport::open(LOOPBACK) {
             Ok(_) => true,
@@ -451,4 +461,5 @@ mod verbs {
 
     contract!(one_qp: super::verbs, super::available);
     contract!(three_qps: super::verbs_three_qps, super::available);
+    contract!(small_writes: super::verbs_small_writes, super::available);
 }

@@ -101,17 +101,9 @@ fn broadcast(l: &Layout, s: &mut Schedule) {
     }
 }
 
-/// The largest half [`broadcast_in_halves`] sends as one message (larger
-/// buffers go in more parts): within what one RDMA write carries (2 GiB),
-/// should a user force the algorithm over verbs.
-const MAX_PART: usize = 1 << 30;
-
 fn broadcast_in_halves(l: &Layout, s: &mut Schedule) {
     let half = (l.count.div_ceil(2) * l.elem).max(l.elem);
-    let halves = Layout {
-        chunk: half.min(MAX_PART / l.elem * l.elem),
-        ..*l
-    };
+    let halves = Layout { chunk: half, ..*l };
     s.sender_writes();
     broadcast(&halves, s);
 }

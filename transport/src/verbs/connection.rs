@@ -35,7 +35,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
-use super::{device::Port, Registration, Retry};
+use super::{device::Port, Registration, Retry, Settings};
 use crate::wire::{self, Frame, HEADER_LEN};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
@@ -58,6 +58,11 @@ const WR_DATA: u64 = 1 << 56;
 const WR_CTS: u64 = 2 << 56;
 const WR_RECV: u64 = 3 << 56;
 const KIND: u64 = 0xff << 56;
+/// A data write that ends its message (the others complete nothing).
+const WR_LAST: u64 = 1 << 48;
+/// Data writes in flight at most: the send queue holds them beside the
+/// clear-to-sends.
+const WRITES_MAX: usize = SQ_DEPTH as usize - CTS_SLOTS;
 
 /// A receiver's grant: where its posted buffer is and what it expects.
 #[derive(Clone, Copy, Debug)]
@@ -142,8 +147,15 @@ pub struct VerbsConnection {
     side_buf: Vec<u8>,
     epoll: Option<OwnedFd>,
     sends: VecDeque<Outgoing>,
-    /// How many of `sends` have their write posted.
+    /// How many of `sends` have their (last) write posted.
     written: usize,
+    /// The grant of `sends[written]` and how many of its bytes are posted,
+    /// when the send queue's room cut its writes short.
+    partial: Option<(Cts, u64)>,
+    /// Data writes posted and not yet completed.
+    writes_posted: usize,
+    /// The longest write; longer messages go as several.
+    max_write: u64,
     /// The sequence number of `sends[0]` (sends completed so far).
     send_base: u32,
     /// Grants not yet used, in any order.
@@ -175,14 +187,14 @@ impl Drop for VerbsConnection {
 unsafe impl Send for VerbsConnection {}
 
 impl VerbsConnection {
-    /// `nqps` queue pairs in INIT with every receive slot posted.
+    /// `settings.qps` queue pairs in INIT with every receive slot posted.
     pub(crate) fn new(
         port: Arc<Port>,
         pd: &Arc<ProtectionDomain>,
         peer: Rank,
-        nqps: usize,
-        retry: Retry,
+        settings: Settings,
     ) -> Result<Self> {
+        let nqps = settings.qps;
         let verb = |what: &'static str| {
             move |e: &dyn std::fmt::Display| {
                 Error::Invalid(format!("{what} (peer rank {peer}): {e}"))
@@ -263,6 +275,9 @@ impl VerbsConnection {
             epoll: None,
             sends: VecDeque::new(),
             written: 0,
+            partial: None,
+            writes_posted: 0,
+            max_write: settings.max_write,
             send_base: 0,
             grants: Vec::new(),
             recvs: VecDeque::new(),
@@ -272,7 +287,7 @@ impl VerbsConnection {
             peer_gone: false,
             peer_received: None,
             failed: None,
-            retry,
+            retry: settings.retry,
         };
         for slot in 0..RECV_SLOTS {
             conn.post_slot(slot)?;
@@ -445,47 +460,89 @@ impl VerbsConnection {
     }
 
     /// Writes every send that has its grant, checking that both ends agree.
+    /// A message longer than `max_write` goes as several writes, the last
+    /// with the immediate; the send queue's room may leave one half posted.
     fn post_writes(&mut self) -> Result<bool> {
         let mut moved = false;
         while self.written < self.sends.len() {
-            let seq = self.send_base.wrapping_add(self.written as u32);
-            let Some(at) = self.grants.iter().position(|g| g.seq == seq) else {
-                break;
+            let (grant, mut at) = match self.partial.take() {
+                Some(partial) => partial,
+                None => match self.take_grant()? {
+                    Some(grant) => (grant, 0),
+                    None => break,
+                },
             };
-            let grant = self.grants.swap_remove(at);
-            let out = &self.sends[self.written];
-            if grant.tag != out.tag || grant.len != out.len {
-                // The receiver's grant is the message it expects.
-                return Err(Error::Mismatch {
-                    peer: self.peer,
-                    expected_tag: out.tag,
-                    expected_len: out.len as usize,
-                    got_tag: grant.tag,
-                    got_len: grant.len as usize,
-                });
-            }
-            let (addr, len, lkey) = (out.addr, out.len, out.lkey);
-            let flags = self.send_flags(len as usize);
-            let q = self.qp_for(seq as usize);
-            let mut guard = self.qps[q].start_post_send();
-            let wr = guard
-                .construct_wr(WR_DATA | seq as u64, flags)
-                .setup_write_imm(grant.rkey, grant.addr, grant.seq);
-            // SAFETY: addr..addr+len is registered (lkey) and kept valid by the isend contract.
-            unsafe {
-                if len == 0 {
-                    wr.setup_sge_list(&[]);
-                } else {
-                    wr.setup_sge(lkey, addr, len as u32);
+            let len = self.sends[self.written].len;
+            loop {
+                if self.writes_posted == WRITES_MAX {
+                    self.partial = Some((grant, at));
+                    return Ok(moved);
+                }
+                let part = (len - at).min(self.max_write);
+                self.post_write(&grant, at, part)?;
+                (at, moved) = (at + part, true);
+                if at == len {
+                    break;
                 }
             }
-            guard
-                .post()
-                .map_err(|e| self.verb_error("ibv_post_send (RDMA WRITE_WITH_IMM)", &e))?;
             self.written += 1;
-            moved = true;
         }
         Ok(moved)
+    }
+
+    /// The grant for the next unwritten send, if here, checked against it.
+    fn take_grant(&mut self) -> Result<Option<Cts>> {
+        let seq = self.send_base.wrapping_add(self.written as u32);
+        let Some(at) = self.grants.iter().position(|g| g.seq == seq) else {
+            return Ok(None);
+        };
+        let grant = self.grants.swap_remove(at);
+        let out = &self.sends[self.written];
+        if grant.tag != out.tag || grant.len != out.len {
+            // The receiver's grant is the message it expects.
+            return Err(Error::Mismatch {
+                peer: self.peer,
+                expected_tag: out.tag,
+                expected_len: out.len as usize,
+                got_tag: grant.tag,
+                got_len: grant.len as usize,
+            });
+        }
+        Ok(Some(grant))
+    }
+
+    /// Posts bytes `at..at + len` of the next unwritten send; the write
+    /// that ends the message carries the immediate that completes its receive.
+    fn post_write(&mut self, grant: &Cts, at: u64, len: u64) -> Result<()> {
+        let out = &self.sends[self.written];
+        let last = at + len == out.len;
+        let (addr, lkey) = (out.addr + at, out.lkey);
+        let flags = self.send_flags(len as usize);
+        let q = self.qp_for(grant.seq as usize);
+        let id = WR_DATA | if last { WR_LAST } else { 0 } | grant.seq as u64;
+        let mut guard = self.qps[q].start_post_send();
+        let wr = guard.construct_wr(id, flags);
+        let (rkey, raddr) = (grant.rkey, grant.addr + at);
+        let wr = match last {
+            true => wr.setup_write_imm(rkey, raddr, grant.seq),
+            false => wr.setup_write(rkey, raddr),
+        };
+        // SAFETY: addr..addr+len is registered (lkey) and kept valid by the
+        // isend contract; len is at most max_write, within 32 bits.
+        unsafe {
+            if len == 0 {
+                wr.setup_sge_list(&[]);
+            } else {
+                wr.setup_sge(lkey, addr, len as u32);
+            }
+        }
+        let verb = match last {
+            true => "ibv_post_send (RDMA WRITE_WITH_IMM)",
+            false => "ibv_post_send (RDMA WRITE)",
+        };
+        guard.post().map_err(|e| self.verb_error(verb, &e))?;
+        self.writes_posted += 1;
+        Ok(())
     }
 
     /// Takes up to a batch of completions and applies them.
@@ -538,6 +595,10 @@ impl VerbsConnection {
             // Writes complete in order per queue pair, not across them:
             // requests complete in order, so the front waits for its own.
             WR_DATA => {
+                self.writes_posted = self.writes_posted.saturating_sub(1);
+                if c.wr_id & WR_LAST == 0 {
+                    return Ok(());
+                }
                 let at = (c.wr_id as u32).wrapping_sub(self.send_base) as usize;
                 match self.sends.get_mut(at) {
                     Some(out) if at < self.written => out.done = true,
@@ -595,6 +656,7 @@ impl VerbsConnection {
     /// side channel first: an abort reason there explains it better).
     fn failed_completion(&self, c: Completion) -> Error {
         let verb = match c.wr_id & KIND {
+            WR_DATA if c.wr_id & WR_LAST == 0 => "RDMA WRITE",
             WR_DATA => "RDMA WRITE_WITH_IMM",
             WR_CTS => "SEND (clear-to-send)",
             _ => "RECV",

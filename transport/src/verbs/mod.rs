@@ -44,11 +44,24 @@ pub struct VerbsTransport {
     port: Arc<device::Port>,
     pd: Arc<ProtectionDomain>,
     bind_ip: IpAddr,
-    /// Queue pairs per peer (`COLL_IB_QPS_PER_PEER`, default 1).
-    qps: usize,
-    /// `COLL_IB_TIMEOUT`, `COLL_IB_RETRY_CNT`.
-    retry: Retry,
+    settings: Settings,
 }
+
+/// What every connection of a transport is set up with.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Settings {
+    /// Queue pairs per peer (`COLL_IB_QPS_PER_PEER`, default 1).
+    pub qps: usize,
+    /// `COLL_IB_TIMEOUT`, `COLL_IB_RETRY_CNT`.
+    pub retry: Retry,
+    /// The longest RDMA write: longer messages go as several.
+    pub max_write: u64,
+}
+
+/// The longest RDMA write by default: mlx5 ports take at most 1 GiB a
+/// message (`max_msg_sz`), the IB spec and rxe 2 GiB; a work request's
+/// length is 32 bits.
+pub const MAX_WRITE: u64 = 1 << 30;
 
 impl VerbsTransport {
     /// Opens the device whose RoCE v2 GID matches `bind_ip` (see `device`);
@@ -70,15 +83,26 @@ impl VerbsTransport {
             port: Arc::new(port),
             pd,
             bind_ip,
-            qps,
-            retry,
+            settings: Settings {
+                qps,
+                retry,
+                max_write: MAX_WRITE,
+            },
         })
     }
 
     /// Uses `n` queue pairs per peer (1 to [`MAX_QPS_PER_PEER`]) instead of
     /// `COLL_IB_QPS_PER_PEER`'s number; every rank must use the same.
     pub fn with_qps_per_peer(mut self, n: usize) -> Self {
-        self.qps = n.clamp(1, MAX_QPS_PER_PEER);
+        self.settings.qps = n.clamp(1, MAX_QPS_PER_PEER);
+        self
+    }
+
+    /// Sends messages longer than `bytes` (4 KiB to [`MAX_WRITE`]) as
+    /// several RDMA writes, for a device whose ports take shorter messages
+    /// (and for tests, which cannot move gigabytes through soft-RoCE).
+    pub fn with_max_write(mut self, bytes: u64) -> Self {
+        self.settings.max_write = bytes.clamp(4096, MAX_WRITE);
         self
     }
 
@@ -99,8 +123,7 @@ impl Transport for VerbsTransport {
             side,
             port: self.port.clone(),
             pd: self.pd.clone(),
-            qps: self.qps,
-            retry: self.retry,
+            settings: self.settings,
         }))
     }
 
@@ -116,7 +139,7 @@ impl Transport for VerbsTransport {
             hello.to,
             &self.port,
             &self.pd,
-            (self.qps, self.retry),
+            self.settings,
             deadline,
         )
     }
@@ -144,8 +167,7 @@ pub struct VerbsListener {
     side: TcpListener,
     port: Arc<device::Port>,
     pd: Arc<ProtectionDomain>,
-    qps: usize,
-    retry: Retry,
+    settings: Settings,
 }
 
 impl Listener for VerbsListener {
@@ -162,14 +184,7 @@ impl Listener for VerbsListener {
         let (peer, side) = self.side.accept_greeted(token, me, deadline)?;
         Ok((
             peer,
-            establish(
-                side,
-                peer,
-                &self.port,
-                &self.pd,
-                (self.qps, self.retry),
-                deadline,
-            )?,
+            establish(side, peer, &self.port, &self.pd, self.settings, deadline)?,
         ))
     }
 }
@@ -293,7 +308,7 @@ fn establish(
     peer: Rank,
     port: &Arc<device::Port>,
     pd: &Arc<ProtectionDomain>,
-    (qps, retry): (usize, Retry),
+    settings: Settings,
     deadline: Instant,
 ) -> Result<Box<dyn Connection>> {
     let io = |what: &'static str| move |e: std::io::Error| Error::io(Some(peer), what, &e);
@@ -306,7 +321,7 @@ fn establish(
     // (with timeouts).
     side.set_nonblocking(false)
         .map_err(io("exchange queue pair numbers"))?;
-    let mut conn = VerbsConnection::new(port.clone(), pd, peer, qps, retry)?;
+    let mut conn = VerbsConnection::new(port.clone(), pd, peer, settings)?;
     let mine = QpInfo {
         qpns: conn.qp_numbers(),
         psn: random_psn(),
