@@ -461,7 +461,8 @@ impl VerbsConnection {
 
     /// Writes every send that has its grant, checking that both ends agree.
     /// A message longer than `max_write` goes as several writes, the last
-    /// with the immediate; the send queue's room may leave one half posted.
+    /// with the immediate; a full send queue may leave a message partly
+    /// posted, resumed at the next call.
     fn post_writes(&mut self) -> Result<bool> {
         let mut moved = false;
         while self.written < self.sends.len() {

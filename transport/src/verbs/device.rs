@@ -21,6 +21,8 @@ pub(crate) struct Port {
     pub gid: Gid,
     pub gid_index: u32,
     pub mtu: Mtu,
+    /// The port's longest message (`max_msg_sz`; 0 where not reported).
+    pub max_msg: u32,
 }
 
 /// RoCE v2 in `ibv_query_gid_type`'s numbering.
@@ -83,6 +85,7 @@ pub(crate) fn open(ip: IpAddr) -> Result<Port> {
                 port,
                 gid_index,
                 pattr.active_mtu(),
+                pattr.attr.max_msg_sz,
             );
             if exact {
                 return port_of(found);
@@ -99,10 +102,10 @@ pub(crate) fn open(ip: IpAddr) -> Result<Port> {
     }))
 }
 
-/// A chosen device and port, with its GID index and MTU.
-type Found = (String, Arc<DeviceContext>, u8, u32, Mtu);
+/// A chosen device and port, with its GID index, MTU and longest message.
+type Found = (String, Arc<DeviceContext>, u8, u32, Mtu, u32);
 
-fn port_of((device, context, port, gid_index, mtu): Found) -> Result<Port> {
+fn port_of((device, context, port, gid_index, mtu, max_msg): Found) -> Result<Port> {
     let gid = context.query_gid(port, gid_index).map_err(|e| {
         Error::Invalid(format!(
             "ibv_query_gid({device}, port {port}, index {gid_index}): {e}"
@@ -115,6 +118,7 @@ fn port_of((device, context, port, gid_index, mtu): Found) -> Result<Port> {
         gid,
         gid_index,
         mtu,
+        max_msg,
     })
 }
 

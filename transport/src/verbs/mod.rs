@@ -13,7 +13,8 @@
 //! rendezvous, as NCCL's IB transport does: `irecv` sends the sender a
 //! 40-byte "clear to send" (address, rkey, length, tag, sequence), the sender
 //! checks tag and length against its send and RDMA-WRITEs the bytes straight
-//! into the posted buffer with an immediate that completes the receive. No
+//! into the posted buffer with an immediate that completes the receive (a
+//! message over [`MAX_WRITE`] as several writes, the immediate on the last). No
 //! copy on either side; the clear-to-send messages are the credits, so a
 //! sender can never write more than its receiver has granted.
 
@@ -58,10 +59,22 @@ pub(crate) struct Settings {
     pub max_write: u64,
 }
 
-/// The longest RDMA write by default: mlx5 ports take at most 1 GiB a
-/// message (`max_msg_sz`), the IB spec and rxe 2 GiB; a work request's
-/// length is 32 bits.
+/// The longest RDMA write: mlx5 ports take at most 1 GiB a message
+/// (`max_msg_sz`), the IB spec and rxe 2 GiB; a work request's length is
+/// 32 bits. A port that says it takes less gets less.
 pub const MAX_WRITE: u64 = 1 << 30;
+
+/// The longest write to post on a port whose `max_msg_sz` is `max_msg`
+/// (0: not reported).
+fn max_write(max_msg: u32) -> u64 {
+    match max_msg {
+        0 => MAX_WRITE,
+        m => MAX_WRITE.min(m as u64).max(MIN_WRITE),
+    }
+}
+
+/// The shortest write [`VerbsTransport::with_max_write`] takes.
+const MIN_WRITE: u64 = 4096;
 
 impl VerbsTransport {
     /// Opens the device whose RoCE v2 GID matches `bind_ip` (see `device`);
@@ -70,13 +83,14 @@ impl VerbsTransport {
         let qps = qps_per_peer()?;
         let retry = Retry::from_env()?;
         let port = device::open(bind_ip)?;
+        let longest = max_write(port.max_msg);
         let pd = port
             .context
             .alloc_pd()
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
         tracing::info!(
             device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
-            mtu = device::mtu_bytes(port.mtu), qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
+            mtu = device::mtu_bytes(port.mtu), max_write = longest, qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
             "verbs transport ready"
         );
         Ok(VerbsTransport {
@@ -86,7 +100,7 @@ impl VerbsTransport {
             settings: Settings {
                 qps,
                 retry,
-                max_write: MAX_WRITE,
+                max_write: longest,
             },
         })
     }
@@ -99,10 +113,10 @@ impl VerbsTransport {
     }
 
     /// Sends messages longer than `bytes` (4 KiB to [`MAX_WRITE`]) as
-    /// several RDMA writes, for a device whose ports take shorter messages
-    /// (and for tests, which cannot move gigabytes through soft-RoCE).
+    /// several RDMA writes instead of the port's longest message (at most
+    /// `MAX_WRITE`): for tests, which cannot move gigabytes through soft-RoCE.
     pub fn with_max_write(mut self, bytes: u64) -> Self {
-        self.settings.max_write = bytes.clamp(4096, MAX_WRITE);
+        self.settings.max_write = bytes.clamp(MIN_WRITE, MAX_WRITE);
         self
     }
 
