@@ -60,8 +60,9 @@ pub(crate) struct Settings {
 }
 
 /// The longest RDMA write: mlx5 ports take at most 1 GiB a message
-/// (`max_msg_sz`), the IB spec and rxe 2 GiB; a work request's length is
-/// 32 bits. A port that says it takes less gets less.
+/// (`max_msg_sz`), the IB spec 2 GiB, and a work request's length is 32
+/// bits. A port that says it takes less gets less (soft-RoCE's rxe says
+/// 8 MiB).
 pub const MAX_WRITE: u64 = 1 << 30;
 
 /// The longest write to post on a port whose `max_msg_sz` is `max_msg`
