@@ -15,6 +15,9 @@
 //! rank's own block is half the data), 4-rank Broadcast of 16 MiB 0.96x
 //! (the root's copy), 4-rank AllGather of 16 MiB 0.94x; 2-rank AllToAll of
 //! 8 and 16 MiB 0.97-1.02x (noise): about where streaming stops costing.
+//! Which way is cheaper depends on the CPU (on an Intel Xeon VM plain
+//! copies won some large calls), so large calls time both ways too
+//! (`LARGE`).
 //!
 //! Smaller staged copies often land on lines a peer has just read: an
 //! in-place AllToAll's staged block lands on the block its peer read from
@@ -44,47 +47,73 @@ use std::time::Instant;
 use transport::TwoWays;
 
 /// A call whose output has at least this many bytes streams its local
-/// copies: its buffers are larger than the caches can keep for it.
+/// copies (unless plain ones measure cheaper): its buffers are larger than
+/// the caches can keep for it.
 const STREAM_FROM: usize = 16 << 20;
 
-/// `dst = src`, a local copy of a call whose output has `call_bytes`:
-/// streaming whole lines of `dst` past the caches from [`STREAM_FROM`] on,
-/// else a plain copy. A streamed copy ends with a store fence, so a flag
-/// published after it covers the copy as a plain copy's would.
+/// `dst = src`, a local copy of a call whose output has `call_bytes`: a
+/// plain copy below [`STREAM_FROM`]; from there streamed, unless plain
+/// copies measure cheaper (`LARGE`). A streamed copy ends with a store
+/// fence, so a flag published after it covers the copy as a plain copy's
+/// would.
 pub(crate) fn copy(dst: &mut [u8], src: &[u8], call_bytes: usize) {
     match call_bytes < STREAM_FROM {
         true => dst.copy_from_slice(src),
-        false => stream(dst, src),
+        false => timed(&LARGE, true, dst, src),
     }
 }
 
 /// `dst = src` for a staged receive, which often lands where its peer has
 /// just read: plain or streamed as `STAGED` measures (see the module docs);
 /// 2-rank in-place AllToAll of 4 MiB, plain 150 us a call or 800, streamed
-/// 260-330 either way, of 256 KiB plain 48-96 us, streamed 27-31.
+/// 260-330 either way, of 256 KiB plain 48-96 us, streamed 27-31. In calls
+/// from [`STREAM_FROM`] on, streamed unless plain measures cheaper
+/// (`LARGE_STAGED`).
 pub(crate) fn copy_staged(dst: &mut [u8], src: &[u8], call_bytes: usize) {
-    if call_bytes >= STREAM_FROM {
-        return copy(dst, src, call_bytes);
+    match call_bytes < STREAM_FROM {
+        true => timed(&STAGED, false, dst, src),
+        false => timed(&LARGE_STAGED, true, dst, src),
     }
+}
+
+/// `dst = src` the way `ways` measures cheaper, timing it: streamed if
+/// `streams` is the usual way, else plain. Copies too short to time go the
+/// usual way, and so does every copy on a core shared with other work,
+/// whose time measures the scheduler.
+fn timed(ways: &TwoWays, streams: bool, dst: &mut [u8], src: &[u8]) {
     let timed = dst.len() >= TIMED_FROM && cfg!(target_arch = "x86_64");
     if !timed || transport::core_shared() {
-        return dst.copy_from_slice(src);
+        return copy_way(streams, dst, src);
     }
-    let streams = STAGED.other_next();
+    let other = ways.other_next();
     let start = Instant::now();
+    copy_way(streams != other, dst, src);
+    ways.note(other, dst.len(), start.elapsed().as_nanos() as u64);
+}
+
+fn copy_way(streams: bool, dst: &mut [u8], src: &[u8]) {
     match streams {
         true => stream(dst, src),
         false => dst.copy_from_slice(src),
     }
-    STAGED.note(streams, dst.len(), start.elapsed().as_nanos() as u64);
 }
 
-/// Staged copies shorter than this are plain: too short to time.
+/// Copies shorter than this go the usual way: too short to time.
 const TIMED_FROM: usize = 32 << 10;
 
 /// Staged copies' figures: plain the usual way, streamed the other; one
 /// copy in 64 goes the way that measured slower.
 static STAGED: TwoWays = TwoWays::new(3, 64);
+
+/// Large calls' copies (from [`STREAM_FROM`]), local and staged apart:
+/// they find their lines in different places. Streamed the usual way, as
+/// the AMD VM measured (module docs); plain the other, which wins by any
+/// margin: on an Intel Xeon VM a 4-rank in-place AllToAll of 16 MiB took
+/// 0.74x the time with plain staged copies, whose block its peers then
+/// read from a cache, not from memory; its out-of-place form, always
+/// plain, 1.06x, and timed (it streams there) 1.01x.
+static LARGE: TwoWays = TwoWays::new(1, 64);
+static LARGE_STAGED: TwoWays = TwoWays::new(1, 64);
 
 /// `dst = src` with streaming stores where the target has them, else plain.
 pub(crate) fn stream(dst: &mut [u8], src: &[u8]) {
@@ -148,17 +177,25 @@ mod tests {
     }
 
     #[test]
-    fn staged_copies_are_whole_whichever_way_they_go() {
-        // Either way is taken at least twice in 128 copies (`STAGED`
-        // retries the other one copy in 64).
+    fn timed_copies_are_whole_whichever_way_they_go() {
+        // Either way is taken at least twice in 128 copies (each choice
+        // retries the other way one copy in 64).
         let len = (32 << 10) + 13;
         let src: Vec<u8> = (0..len + 64).map(|i| (i * 5 + 1) as u8).collect();
-        for k in 0..128 {
-            let at = k % 64;
-            let mut dst = vec![0u8; len + 64];
-            copy_staged(&mut dst[at..at + len], &src[..len], 1 << 20);
-            assert_eq!(dst[at..at + len], src[..len], "copy {k}");
-            assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0));
+        type Copy = fn(&mut [u8], &[u8], usize);
+        let ways: [(Copy, usize); 3] = [
+            (copy_staged, 1 << 20),
+            (copy_staged, STREAM_FROM),
+            (copy, STREAM_FROM),
+        ];
+        for (way, call_bytes) in ways {
+            for k in 0..128 {
+                let at = k % 64;
+                let mut dst = vec![0u8; len + 64];
+                way(&mut dst[at..at + len], &src[..len], call_bytes);
+                assert_eq!(dst[at..at + len], src[..len], "copy {k} of {call_bytes}");
+                assert!(dst[..at].iter().chain(&dst[at + len..]).all(|&b| b == 0));
+            }
         }
     }
 }
