@@ -1,0 +1,136 @@
+/*
+ * How fast could a 2-rank in-place AllReduce (f32 sum) be on this machine?
+ * Two threads, one per core, stand for the two ranks. Each owns a buffer
+ * and can read the other's directly, as if the peer's memory were mapped
+ * (no kernel copy, no message, no doorbell): a floor no library of two
+ * processes can go below. Pipelined in chunks, as ours is: thread t
+ * reduces half t chunk by chunk into its own buffer (own += peer), flags
+ * each chunk, and copies the other half's chunks from its peer as the peer
+ * flags them. "staged" first copies each peer chunk into a private buffer
+ * and reduces from there, which is what a single-copy read
+ * (process_vm_readv) into staging costs at user-space copy speed.
+ *
+ *   gcc -O3 -march=native -pthread -o allreduce_floor ci/allreduce_floor.c
+ *   ./allreduce_floor [bytes=16M] [chunk=1M] [calls=300]
+ *
+ * Prints the median and quartiles of a call's time, microseconds, for each
+ * way. Compare with `collbench allreduce -n 2 -b 16M -e 16M -c 0` and
+ * Open MPI's in-place MPI_Allreduce run side by side (ci/ab.py).
+ */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static size_t bytes = 16 << 20, chunk = 1 << 20, piece;
+static int calls = 300, staged;
+static float *buf[2];
+static _Atomic long done[2][4096]; /* the call in which a chunk was reduced */
+static pthread_barrier_t start;
+static double took[2][100000];
+
+static double now_us(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
+}
+
+static void pin(int cpu) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+}
+
+static size_t parse(const char *s) {
+    char *end;
+    size_t v = strtoull(s, &end, 10);
+    if (*end == 'K' || *end == 'k') v <<= 10;
+    if (*end == 'M' || *end == 'm') v <<= 20;
+    return v;
+}
+
+static void *rank(void *arg) {
+    int me = (int)(long)arg, peer = 1 - me;
+    pin(me);
+    size_t half = bytes / 2, n_chunks = half / chunk;
+    float *own = buf[me], *theirs = buf[peer];
+    float *stage = aligned_alloc(64, chunk);
+    memset(stage, 0, chunk);
+    for (int call = 1; call <= calls; call++) {
+        pthread_barrier_wait(&start);
+        double t0 = now_us();
+        size_t mine = me * half, other = peer * half;
+        for (size_t c = 0; c < n_chunks; c++) {
+            float *dst = own + (mine + c * chunk) / 4;
+            const float *src = theirs + (mine + c * chunk) / 4;
+            for (size_t p = 0; p < chunk; p += piece) {
+                const float *from = src + p / 4;
+                float *to = dst + p / 4;
+                if (staged) {
+                    memcpy(stage, from, piece);
+                    from = stage;
+                }
+                for (size_t i = 0; i < piece / 4; i++) to[i] += from[i];
+            }
+            atomic_store_explicit(&done[me][c], call, memory_order_release);
+        }
+        for (size_t c = 0; c < n_chunks; c++) {
+            while (atomic_load_explicit(&done[peer][c], memory_order_acquire) < call)
+                ;
+            memcpy((char *)own + other + c * chunk, (char *)theirs + other + c * chunk, chunk);
+        }
+        took[me][call - 1] = now_us() - t0;
+    }
+    free(stage);
+    return NULL;
+}
+
+static int cmp(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static void run(const char *name) {
+    pthread_t t[2];
+    for (int r = 0; r < 2; r++)
+        for (size_t c = 0; c < 4096; c++) atomic_store(&done[r][c], 0);
+    for (long r = 0; r < 2; r++) pthread_create(&t[r], NULL, rank, (void *)r);
+    for (int r = 0; r < 2; r++) pthread_join(t[r], NULL);
+    double slow[100000];
+    for (int c = 0; c < calls; c++) slow[c] = took[0][c] > took[1][c] ? took[0][c] : took[1][c];
+    int warm = calls / 10;
+    qsort(slow + warm, calls - warm, sizeof(double), cmp);
+    int n = calls - warm;
+    printf("%-7s %zu bytes, %zu-byte chunks: median %.0f us (quartiles %.0f-%.0f), %.2f GB/s busbw\n",
+           name, bytes, chunk, slow[warm + n / 2], slow[warm + n / 4], slow[warm + 3 * n / 4],
+           bytes / slow[warm + n / 2] / 1e3);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) bytes = parse(argv[1]);
+    if (argc > 2) chunk = parse(argv[2]);
+    if (argc > 3) calls = atoi(argv[3]);
+    if (bytes % (2 * chunk) || bytes / 2 / chunk > 4096 || calls < 10 || calls > 100000) {
+        fprintf(stderr, "bytes must be a multiple of 2 chunks, at most 8192 chunks; 10-100000 calls\n");
+        return 2;
+    }
+    for (int r = 0; r < 2; r++) {
+        buf[r] = aligned_alloc(4096, bytes);
+        for (size_t i = 0; i < bytes / 4; i++) buf[r][i] = 0.0f; /* sums stay finite */
+    }
+    pthread_barrier_init(&start, NULL, 2);
+    staged = 0;
+    piece = chunk;
+    run("direct");
+    staged = 1;
+    piece = chunk;
+    run("staged");
+    piece = chunk < (256 << 10) ? chunk : 256 << 10;
+    run("pieces");
+    return 0;
+}
