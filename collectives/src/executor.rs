@@ -38,6 +38,13 @@ pub(crate) trait Effects {
     /// Whether the transfer `token` on the connection to `peer` completed.
     fn is_done(&mut self, peer: Rank, token: Self::Token) -> transport::Result<bool>;
 
+    /// Of receive `token` from `peer`, not yet done, the bytes from its
+    /// start that landed, in whole elements (0: not known before it is done).
+    fn landed(&mut self, peer: Rank, token: Self::Token) -> usize {
+        let _ = (peer, token);
+        0
+    }
+
     /// Moves bytes on the connections to the peers flagged in `involved`;
     /// whether anything moved.
     fn progress(&mut self, involved: &[bool]) -> transport::Result<bool>;
@@ -52,8 +59,9 @@ pub(crate) trait Effects {
 /// Where an action's operand comes from.
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Source {
-    /// A staging slot holding a landed receive.
-    Slot(usize),
+    /// A staging slot holding a landed receive (or its landed part), from
+    /// this byte of the slot.
+    Slot(usize, usize),
     /// This rank's own data.
     Local(Span),
     /// The receive landed in the action's span itself (see [`lands_in_span`]).
@@ -130,6 +138,8 @@ struct Queue {
     len: usize,
     posted: usize,
     done: usize,
+    /// Bytes of the front step's action applied while its receive landed.
+    applied: usize,
 }
 
 /// One schedule in execution: its queues and the state of every step. Its
@@ -247,6 +257,7 @@ impl<T: Copy> Execution<T> {
                     len: 0,
                     posted: 0,
                     done: 0,
+                    applied: 0,
                 });
             }
             self.queues[*qi].len += 1;
@@ -368,6 +379,7 @@ impl<T: Copy> Execution<T> {
             match self.state[id] {
                 State::Posted(token, slot) => {
                     if !fx.is_done(step.peer(), token)? {
+                        moved |= self.apply_landed(qi, step, token, slot, fx);
                         break;
                     }
                     moved = true;
@@ -376,7 +388,10 @@ impl<T: Copy> Execution<T> {
                             self.state[id] = State::Landed(slot);
                             continue;
                         }
-                        (None, Kind::Staged(action)) => fx.apply(action, step.span(), Source::Span),
+                        (None, Kind::Staged(action)) => {
+                            let rest = self.unapplied(qi, step.span());
+                            fx.apply(action, rest, Source::Span)
+                        }
                         (None, _) => {}
                     }
                 }
@@ -387,7 +402,8 @@ impl<T: Copy> Execution<T> {
                     let Kind::Staged(action) = step.kind else {
                         unreachable!("only staged receives land")
                     };
-                    fx.apply(action, step.span(), Source::Slot(slot as usize));
+                    let (rest, from) = (self.unapplied(qi, step.span()), self.queues[qi].applied);
+                    fx.apply(action, rest, Source::Slot(slot as usize, from));
                     self.free_slots.push(slot as usize);
                 }
                 State::Waiting | State::Done => unreachable!("queue cursor out of step"),
@@ -395,8 +411,54 @@ impl<T: Copy> Execution<T> {
             self.state[id] = State::Done;
             self.remaining -= 1;
             self.queues[qi].done += 1;
+            self.queues[qi].applied = 0;
         }
         Ok(moved)
+    }
+
+    /// Reduces what landed of queue `qi`'s front receive, `step`, since
+    /// last time, while the rest arrives: the reduction finds those bytes
+    /// still in cache. Only once the step's `after` is done, as whole.
+    fn apply_landed<E: Effects<Token = T>>(
+        &mut self,
+        qi: usize,
+        step: &Step,
+        token: T,
+        slot: Option<u16>,
+        fx: &mut E,
+    ) -> bool {
+        let Kind::Staged(action @ Action::Reduce { .. }) = step.kind else {
+            return false;
+        };
+        if !self.done(step.after()) {
+            return false;
+        }
+        let (applied, landed) = (self.queues[qi].applied, fx.landed(step.peer(), token));
+        if landed <= applied {
+            return false;
+        }
+        let part = Span {
+            offset: step.span().offset + applied,
+            len: landed - applied,
+            ..step.span()
+        };
+        let from = match slot {
+            Some(slot) => Source::Slot(slot as usize, applied),
+            None => Source::Span,
+        };
+        fx.apply(action, part, from);
+        self.queues[qi].applied = landed;
+        true
+    }
+
+    /// What of `span`, queue `qi`'s front step's, is not yet applied.
+    fn unapplied(&self, qi: usize, span: Span) -> Span {
+        let applied = self.queues[qi].applied;
+        Span {
+            offset: span.offset + applied,
+            len: span.len - applied,
+            ..span
+        }
     }
 
     /// Copies the next [`COPY_PIECE`] bytes of the schedule's local copies.
@@ -585,7 +647,7 @@ mod tests {
         }
         fn apply(&mut self, _: Action, span: Span, from: Source) {
             let slot = match from {
-                Source::Slot(s) => Some(s),
+                Source::Slot(s, _) => Some(s),
                 Source::Local(_) | Source::Span => None,
             };
             self.applied.push((span.offset, slot));

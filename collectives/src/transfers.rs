@@ -58,9 +58,10 @@ impl Staging {
         })
     }
 
-    /// The bytes of `slot`'s first `len` bytes.
-    fn slot(&self, slot: usize, len: usize) -> &[u8] {
-        &self.storage.bytes()[slot * self.slot_bytes..][..len]
+    /// `len` bytes of `slot`, from byte `offset` of it.
+    fn slot(&self, slot: usize, offset: usize, len: usize) -> &[u8] {
+        assert!(offset + len <= self.slot_bytes);
+        &self.storage.bytes()[slot * self.slot_bytes + offset..][..len]
     }
 }
 
@@ -109,6 +110,10 @@ impl Effects for Transfers<'_> {
                     true => mr.allow_peer_writes(),
                     false => mr,
                 };
+                let mr = match self.output.mr.is_used_as_landed() {
+                    true => mr.used_as_landed(),
+                    false => mr,
+                };
                 (mr, slot * self.staging.slot_bytes)
             }
             None => (self.region(span.buf).mr.clone(), span.offset),
@@ -139,6 +144,11 @@ impl Effects for Transfers<'_> {
             t.completed(self.lane, peer, token);
         }
         Ok(done)
+    }
+
+    fn landed(&mut self, peer: Rank, token: Request) -> usize {
+        let elem = self.dtype.size();
+        connection(self.peers, peer).map_or(0, |c| c.landed(token) / elem * elem)
     }
 
     fn progress(&mut self, involved: &[bool]) -> transport::Result<bool> {
@@ -175,7 +185,7 @@ impl Transfers<'_> {
         let src = match from {
             // The slot holds a completed receive; no request targets it
             // until the executor frees it after this.
-            Source::Slot(slot) => Some(self.staging.slot(slot, span.len)),
+            Source::Slot(slot, offset) => Some(self.staging.slot(slot, offset, span.len)),
             Source::Local(from) => Some(self.span(from)),
             // The peer's data landed in the span itself (`lands_in_span`).
             Source::Span => None,
@@ -191,7 +201,7 @@ impl Transfers<'_> {
             Action::Copy => {
                 let src = src.expect("a copy has a source");
                 return match from {
-                    Source::Slot(_) => stream_copy::copy_staged(dst, src, self.output.len),
+                    Source::Slot(..) => stream_copy::copy_staged(dst, src, self.output.len),
                     _ => stream_copy::copy(dst, src, self.output.len),
                 };
             }

@@ -134,6 +134,11 @@ impl Requests {
     pub fn is_done(&self, request: Request) -> bool {
         self.done[request.dir as usize] >= request.seq
     }
+
+    /// Whether `request` is the oldest outstanding one of its direction.
+    pub fn is_next(&self, request: Request) -> bool {
+        self.done[request.dir as usize] + 1 == request.seq
+    }
 }
 
 /// Which readiness a connection waits for before it can progress again.
@@ -235,6 +240,15 @@ pub trait Connection: Send {
 
     /// Whether `request` has completed (as of the last [`progress`](Self::progress)).
     fn is_done(&self, request: Request) -> bool;
+
+    /// Of receive `request`, not yet done, the bytes from its start that
+    /// have landed (as of the last [`progress`](Self::progress)), so the
+    /// caller can work on them while the rest arrives. A transport that
+    /// only knows whole messages says 0.
+    fn landed(&self, request: Request) -> usize {
+        let _ = request;
+        0
+    }
 
     /// Number of posted requests not yet complete.
     fn pending(&self) -> usize;

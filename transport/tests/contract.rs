@@ -200,6 +200,62 @@ fn peers_may_write(make: fn() -> Box<dyn Transport>, declines: bool) {
     }
 }
 
+/// What a receive says has landed before it is done has landed: a prefix
+/// of the message that only grows. Returns how many times a part (neither
+/// nothing nor all) was seen, for receives in memory used as it lands
+/// (`used_as_landed`) or not.
+fn landed_parts(make: fn() -> Box<dyn Transport>, used_as_landed: bool) -> usize {
+    const LEN: usize = (3 << 20) + 8;
+    let t = make();
+    let (mut c0, mut c1) = pair(&*t);
+    let src: Vec<u8> = (0..LEN).map(|i| (i * 31 % 251) as u8 + 1).collect();
+    let mut dst = vec![0u8; LEN];
+    let rs = t.register(src.as_ptr(), src.len()).unwrap();
+    let rd = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+    let rd = if used_as_landed {
+        rd.used_as_landed()
+    } else {
+        rd
+    };
+    let sender = std::thread::spawn(move || {
+        // SAFETY: src lives in this thread until the send is done.
+        let req = unsafe { c1.isend(&rs, 0, LEN, 7) }.unwrap();
+        let deadline = soon();
+        while !c1.is_done(req) {
+            assert!(Instant::now() < deadline, "the send did not finish");
+            c1.progress().unwrap();
+        }
+        (c1, src)
+    });
+    // SAFETY: dst outlives the request; only what landed is read before it is done.
+    let req = unsafe { c0.irecv(&rd, 0, LEN, 7) }.unwrap();
+    let (mut before, mut parts, deadline) = (0, 0, soon());
+    while !c0.is_done(req) {
+        assert!(Instant::now() < deadline, "the receive did not finish");
+        c0.progress().unwrap();
+        if c0.is_done(req) {
+            break;
+        }
+        let landed = c0.landed(req);
+        assert!(
+            before <= landed && landed <= LEN,
+            "landed {before}, then {landed}"
+        );
+        let src: Vec<u8> = (0..landed).map(|i| (i * 31 % 251) as u8 + 1).collect();
+        assert!(dst[..landed] == src[..], "a byte said landed differs");
+        parts += (landed > before) as usize;
+        before = landed;
+    }
+    let (_c1, src) = sender.join().unwrap();
+    assert!(dst == src);
+    parts
+}
+
+fn what_landed_is_a_growing_prefix(make: fn() -> Box<dyn Transport>) {
+    landed_parts(make, true);
+    landed_parts(make, false);
+}
+
 fn a_different_length_or_tag_is_a_mismatch(make: fn() -> Box<dyn Transport>) {
     // Close lengths, and lengths far apart both ways (over TCP, a small and
     // a large message travel on different streams).
@@ -361,6 +417,12 @@ macro_rules! contract {
                 }
             }
             #[test]
+            fn what_landed_is_a_growing_prefix() {
+                if $ready() {
+                    super::what_landed_is_a_growing_prefix($factory)
+                }
+            }
+            #[test]
             fn a_different_length_or_tag_is_a_mismatch() {
                 if $ready() {
                     super::a_different_length_or_tag_is_a_mismatch($factory)
@@ -395,6 +457,14 @@ macro_rules! contract {
 }
 
 contract!(tcp, shm, shm_two_copies);
+
+/// Read from the sender's memory, a receive used as it lands arrives in
+/// pieces (3 MiB: twelve), one per progress; any other arrives whole.
+#[test]
+fn shm_reads_receives_used_as_they_land_in_pieces() {
+    assert!(landed_parts(shm, true) >= 11);
+    assert_eq!(landed_parts(shm, false), 0);
+}
 
 #[test]
 fn tcp_refuses_garbage_and_silence() {

@@ -1,6 +1,6 @@
 //! Every rank's schedule run by the executor in one thread, with real data
-//! and transfers that copy at a random moment between posting and
-//! completion, in a random order: a step that touches memory before its
+//! and transfers that copy at random moments between posting and
+//! completion, in random parts and a random order: a step that touches memory before its
 //! `after` edges allow shows up as a wrong result, whatever the timing of
 //! real transports would have hidden.
 
@@ -45,7 +45,8 @@ struct Transfer {
     send: Span,
     dst: usize,
     recv: Option<(Span, Option<usize>)>,
-    copied: bool,
+    /// Bytes landed so far, from the start.
+    landed: usize,
     done: bool,
 }
 
@@ -106,6 +107,10 @@ impl Effects for Replay<'_> {
         Ok(self.transfers[token].done)
     }
 
+    fn landed(&mut self, _peer: usize, token: usize) -> usize {
+        self.transfers[token].landed
+    }
+
     fn progress(&mut self, _involved: &[bool]) -> transport::Result<bool> {
         let mut moved = false;
         for id in 0..self.transfers.len() {
@@ -118,22 +123,34 @@ impl Effects for Replay<'_> {
                 continue;
             }
             let t = &self.transfers[id];
-            if !t.copied {
-                assert_eq!(
-                    t.send.len, span.len,
-                    "rank {} -> {}: lengths differ",
-                    t.src, t.dst
-                );
-                let data = self.memory[t.src].read(t.send);
-                let dst = &mut self.memory[t.dst];
-                match slot {
-                    Some(s) => dst.slots[s][..data.len()].copy_from_slice(&data),
-                    None => dst.write(span).copy_from_slice(&data),
-                }
-                self.transfers[id].copied = true;
-            } else {
+            assert_eq!(
+                t.send.len, span.len,
+                "rank {} -> {}: lengths differ",
+                t.src, t.dst
+            );
+            if t.landed == span.len {
                 self.transfers[id].done = true;
+                moved = true;
+                continue;
             }
+            // A random part of what is left lands, whole elements.
+            let (src, send, from, left) = (t.src, t.send, t.landed, span.len - t.landed);
+            let len = match left > 8 && self.coin() {
+                true => (*self.rng as usize % (left / 8)).max(1) * 8,
+                false => left,
+            };
+            let part = |s: Span| Span {
+                offset: s.offset + from,
+                len,
+                ..s
+            };
+            let data = self.memory[src].read(part(send));
+            let dst = &mut self.memory[self.transfers[id].dst];
+            match slot {
+                Some(s) => dst.slots[s][from / 8..][..data.len()].copy_from_slice(&data),
+                None => dst.write(part(span)).copy_from_slice(&data),
+            }
+            self.transfers[id].landed += len;
             moved = true;
         }
         Ok(moved)
@@ -142,7 +159,7 @@ impl Effects for Replay<'_> {
     fn apply(&mut self, action: Action, span: Span, from: Source) {
         let m = &mut self.memory[self.me];
         let operand = match from {
-            Source::Slot(s) => m.slots[s][..span.len / 8].to_vec(),
+            Source::Slot(s, from) => m.slots[s][from / 8..][..span.len / 8].to_vec(),
             Source::Local(f) => m.read(f),
             Source::Span => m.read(span),
         };
@@ -180,7 +197,7 @@ fn placeholder() -> Transfer {
         send: span,
         dst: usize::MAX,
         recv: None,
-        copied: false,
+        landed: 0,
         done: false,
     }
 }
