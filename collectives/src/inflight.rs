@@ -937,12 +937,10 @@ impl Communicator {
         // sender with a core of its own is better placed to make them
         // (2-rank Broadcast of 16 MiB beside a busy loop: 0.70-0.78x the time),
         // or from a sender with nothing else to do (`Schedule::sender_writes`).
-        // A reduction reduces what lands as it lands (`Effects::landed`).
         // Staging slots follow the call's buffers (`Transfers::post`).
         let sender_writes = run.sched.sender_writes;
         let written = Access {
             peer_writes: desc.collective.reduces() || sender_writes || transport::core_shared(),
-            used_as_landed: desc.collective.reduces(),
             ..Access::default()
         };
         // The input's sends only, out of place: in place, a block read in
@@ -1034,9 +1032,6 @@ impl Communicator {
         if access.declines_help {
             mr = mr.declines_help();
         }
-        if access.used_as_landed {
-            mr = mr.used_as_landed();
-        }
         Ok(Region {
             ptr,
             len: b.len,
@@ -1056,8 +1051,6 @@ struct Access {
     all_in_flight: bool,
     /// Its sends take up no offer to write.
     declines_help: bool,
-    /// Its receives are worked on as they land.
-    used_as_landed: bool,
 }
 
 /// Makes `buf` hold at least `bytes` bytes.

@@ -110,13 +110,15 @@ impl Effects for Transfers<'_> {
                     true => mr.allow_peer_writes(),
                     false => mr,
                 };
-                let mr = match self.output.mr.is_used_as_landed() {
-                    true => mr.used_as_landed(),
-                    false => mr,
-                };
                 (mr, slot * self.staging.slot_bytes)
             }
             None => (self.region(span.buf).mr.clone(), span.offset),
+        };
+        // A reduction reduces what landed while the rest arrives (the
+        // executor's `apply_landed`); other receives are only read whole.
+        let mr = match step.kind {
+            Kind::Staged(Action::Reduce { .. }) => mr.used_as_landed(),
+            _ => mr,
         };
         let tag = tag.unwrap_or(self.tag);
         let (peer, send, len) = (step.peer(), step.is_send(), span.len);
