@@ -34,6 +34,8 @@
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
+
+#include "cpu.h"
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -46,19 +48,6 @@ static float *buf[2];
 static _Atomic long done[2][4096]; /* the call in which a chunk was reduced */
 static pthread_barrier_t start;
 static double took[2][100000];
-
-static double now_us(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec * 1e6 + t.tv_nsec / 1e3;
-}
-
-static void pin(int cpu) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-}
 
 static size_t parse(const char *s) {
     char *end;

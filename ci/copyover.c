@@ -19,25 +19,14 @@
 #include <string.h>
 #include <time.h>
 
+#include "cpu.h"
+
 #define BYTES (1 << 20)
 #define CALLS 2000
 
 static char *src, *dst;
 static _Atomic int turn; /* 1: the reader's turn, 0: the copier's, -1: stop */
 static volatile long sink;
-
-static void pin(int cpu) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-}
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
 
 static void *reader(void *arg) {
     (void)arg;
@@ -71,14 +60,14 @@ static double measure(int streaming, int read) {
             while (atomic_load(&turn) != 0) {
             }
         }
-        double t = now();
+        double t = now_us();
         if (streaming)
             stream(dst, src, BYTES);
         else
             memcpy(dst, src, BYTES);
-        total += now() - t;
+        total += now_us() - t;
     }
-    return total / CALLS * 1e6;
+    return total / CALLS;
 }
 
 int main(void) {

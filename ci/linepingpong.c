@@ -17,16 +17,11 @@
 #include <stdlib.h>
 #include <time.h>
 
+#include "cpu.h"
+
 static _Alignas(64) _Atomic uint32_t ping;
 static _Alignas(64) _Atomic uint32_t pong;
 static uint32_t rounds = 1000000;
-
-static void pin(int cpu) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof set, &set);
-}
 
 static void *answer(void *unused) {
     (void)unused;

@@ -437,11 +437,7 @@ impl<T: Copy> Execution<T> {
         if landed <= applied {
             return false;
         }
-        let part = Span {
-            offset: step.span().offset + applied,
-            len: landed - applied,
-            ..step.span()
-        };
+        let part = step.span().part(applied, landed - applied);
         let from = match slot {
             Some(slot) => Source::Slot(slot as usize, applied),
             None => Source::Span,
@@ -454,11 +450,7 @@ impl<T: Copy> Execution<T> {
     /// What of `span`, queue `qi`'s front step's, is not yet applied.
     fn unapplied(&self, qi: usize, span: Span) -> Span {
         let applied = self.queues[qi].applied;
-        Span {
-            offset: span.offset + applied,
-            len: span.len - applied,
-            ..span
-        }
+        span.part(applied, span.len - applied)
     }
 
     /// Copies the next [`COPY_PIECE`] bytes of the schedule's local copies.
@@ -468,12 +460,7 @@ impl<T: Copy> Execution<T> {
             return false;
         };
         let len = COPY_PIECE.min(from.len - done);
-        let piece = |s: Span| Span {
-            offset: s.offset + done,
-            len,
-            ..s
-        };
-        fx.copy(piece(from), piece(to));
+        fx.copy(from.part(done, len), to.part(done, len));
         self.copy_at = if done + len == from.len {
             self.remaining -= 1;
             (i + 1, 0)

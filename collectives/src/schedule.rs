@@ -25,6 +25,18 @@ pub(crate) struct Span {
     pub len: usize,
 }
 
+impl Span {
+    /// The `len` bytes of this span from its byte `at`.
+    pub fn part(self, at: usize, len: usize) -> Span {
+        debug_assert!(at + len <= self.len, "a part beyond its span");
+        Span {
+            offset: self.offset + at,
+            len,
+            ..self
+        }
+    }
+}
+
 /// What happens to a receive that lands in a staging slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Action {

@@ -149,11 +149,8 @@ impl<'h> Layout<'h> {
     /// Chunk `k` of [`chunks`](Self::chunks), if the range has one.
     pub fn chunk_at(&self, buf: Buf, (offset, len): (usize, usize), k: usize) -> Option<Span> {
         let at = k * self.chunk;
-        (at < len).then(|| Span {
-            buf,
-            offset: offset + at,
-            len: self.chunk.min(len - at),
-        })
+        let range = Span { buf, offset, len };
+        (at < len).then(|| range.part(at, self.chunk.min(len - at)))
     }
 }
 

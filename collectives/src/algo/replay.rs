@@ -139,16 +139,11 @@ impl Effects for Replay<'_> {
                 true => (*self.rng as usize % (left / 8)).max(1) * 8,
                 false => left,
             };
-            let part = |s: Span| Span {
-                offset: s.offset + from,
-                len,
-                ..s
-            };
-            let data = self.memory[src].read(part(send));
+            let data = self.memory[src].read(send.part(from, len));
             let dst = &mut self.memory[self.transfers[id].dst];
             match slot {
                 Some(s) => dst.slots[s][from / 8..][..data.len()].copy_from_slice(&data),
-                None => dst.write(part(span)).copy_from_slice(&data),
+                None => dst.write(span.part(from, len)).copy_from_slice(&data),
             }
             self.transfers[id].landed += len;
             moved = true;

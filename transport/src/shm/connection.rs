@@ -434,7 +434,7 @@ impl ShmConnection {
     /// remote one we read a [`READ_PIECE`] per call if its receive is used
     /// as it lands.
     fn take_fragment(&mut self, desc: Desc) -> Result<Take> {
-        let (seq, peer, pid, at) = (self.tail, self.peer, self.peer_pid, self.piece_at);
+        let (seq, peer, at) = (self.tail, self.peer, self.piece_at);
         let inc = self.recvs.front_mut().expect("a receive is posted");
         if at == 0 {
             check_fragment(peer, &desc, inc)?;
@@ -458,12 +458,14 @@ impl ShmConnection {
             false => false,
         };
         let took = match read {
-            true => self.read_piece(pid, desc.remote as usize + at, dst, (len - at).min(piece))?,
-            false => {
-                self.copy_fragment(seq, remote, dst, len);
-                len
-            }
+            true => (len - at).min(piece),
+            false => len,
         };
+        if read {
+            self.read_piece(desc.remote as usize, dst, took)?;
+        } else {
+            self.copy_fragment(seq, remote, dst, len);
+        }
         self.piece_at += took;
         let inc = self.recvs.front_mut().expect("a receive is posted");
         inc.received += took;
@@ -478,19 +480,20 @@ impl ShmConnection {
         Ok(Take::Whole { read })
     }
 
-    /// Reads the next `len` bytes of a remote message from `addr` in the
-    /// sender into `dst`, at `piece_at`: how many it read.
-    fn read_piece(&mut self, pid: i32, addr: usize, dst: *mut u8, len: usize) -> Result<usize> {
+    /// Reads `len` bytes of the remote message at `addr` in the sender
+    /// into the fragment at `dst`, both from byte `piece_at` on.
+    fn read_piece(&mut self, addr: usize, dst: *mut u8, len: usize) -> Result<()> {
         let start = costs::timer(len);
-        // SAFETY: dst + piece_at + len stays inside the fragment checked
-        // against the receive (the caller counts len from piece_at).
+        // SAFETY: piece_at + len stays inside the fragment, which was
+        // checked against the receive (the caller counts len from piece_at).
         let dst = unsafe { dst.add(self.piece_at) };
-        read_remote(pid, addr, dst, len).map_err(|e| match e.raw_os_error() {
+        let addr = addr + self.piece_at;
+        read_remote(self.peer_pid, addr, dst, len).map_err(|e| match e.raw_os_error() {
             Some(libc::ESRCH) => Error::Closed { peer: self.peer },
             _ => Error::io(Some(self.peer), "process_vm_readv", &e),
         })?;
         self.costs.note_read(len, start);
-        Ok(len)
+        Ok(())
     }
 
     /// Takes a fragment we do not read: one the sender wrote into our
