@@ -14,12 +14,16 @@
  *   cma      staged, and the second half's copies, with process_vm_readv
  *            (on our own pid: the kernel pins and copies as it would for a
  *            peer's), as ours reads;
- *   cma-pcs  the same, 256 KiB at a time (as ours since 0a4dccd).
+ *   cma-pcs  the same, 256 KiB at a time (as ours since 0a4dccd);
+ *   cma-slot the same, each piece at its own offset in a whole-chunk
+ *            buffer, as ours reads into a 1 MiB staging slot.
  *
  * Buffers are on transparent huge pages, as collbench's and our staging.
  * On the Intel Xeon VM (ci/measurements.md), 16 MiB: direct 1136-1180 us,
  * staged 1396, pieces 1156-1162, cma 1468-1525, cma-pcs 1267-1279; built
- * for AVX2 only (-mavx2, as our reduction kernels), cma-pcs 1332.
+ * for AVX2 only (-mavx2, as our reduction kernels), cma-pcs 1332. Another
+ * day: cma-pcs 1370-1375, cma-slot 1563-1619 (the 1 MiB buffer's lines
+ * leave the L2 between chunks; `transfers::CACHED_CHUNK`).
  *
  *   gcc -O3 -march=native -pthread -o allreduce_floor ci/allreduce_floor.c
  *   ./allreduce_floor [bytes=16M] [chunk=1M] [calls=300]
@@ -43,7 +47,7 @@
 #include <time.h>
 
 static size_t bytes = 16 << 20, chunk = 1 << 20, piece;
-static int calls = 300, staged, cma;
+static int calls = 300, staged, cma, whole_slot;
 static float *buf[2];
 static _Atomic long done[2][4096]; /* the call in which a chunk was reduced */
 static pthread_barrier_t start;
@@ -85,12 +89,14 @@ static void *rank(void *arg) {
                 float *to = dst + p / 4;
                 if (staged) {
                     if (cma) {
-                        struct iovec l = {stage, piece}, r = {(void *)from, piece};
+                        float *at = whole_slot ? stage + p / 4 : stage;
+                        struct iovec l = {at, piece}, r = {(void *)from, piece};
                         if (process_vm_readv(getpid(), &l, 1, &r, 1, 0) != (ssize_t)piece) abort();
+                        from = at;
                     } else {
                         memcpy(stage, from, piece);
+                        from = stage;
                     }
-                    from = stage;
                 }
                 for (size_t i = 0; i < piece / 4; i++) to[i] += from[i];
             }
@@ -129,7 +135,7 @@ static void run(const char *name) {
     int warm = calls / 10;
     qsort(slow + warm, calls - warm, sizeof(double), cmp);
     int n = calls - warm;
-    printf("%-7s %zu bytes, %zu-byte chunks: median %.0f us (quartiles %.0f-%.0f), %.2f GB/s busbw\n",
+    printf("%-8s %zu bytes, %zu-byte chunks: median %.0f us (quartiles %.0f-%.0f), %.2f GB/s busbw\n",
            name, bytes, chunk, slow[warm + n / 2], slow[warm + n / 4], slow[warm + 3 * n / 4],
            bytes / slow[warm + n / 2] / 1e3);
 }
@@ -160,5 +166,7 @@ int main(int argc, char **argv) {
     run("cma");
     piece = chunk < (256 << 10) ? chunk : 256 << 10;
     run("cma-pcs");
+    whole_slot = 1;
+    run("cma-slot");
     return 0;
 }

@@ -864,6 +864,8 @@ impl Communicator {
         let (mut input, mut output) = (call.input, call.output);
         let elem = desc.dtype.size();
         let larger = call.larger();
+        let in_cache =
+            transfers::stages_in_cache(desc.collective, larger, self.selector.shared_memory());
         let (build, in_place_ok, lane, windows, algo_name) = match desc.collective {
             Collective::PointToPoint => (
                 algo::POINT_TO_POINT,
@@ -881,7 +883,10 @@ impl Communicator {
                 let windows = Windows {
                     sends: transfers::SEND_WINDOW.max(self.config.depth),
                     recvs: self.config.depth,
-                    slots: self.staging.slots,
+                    slots: match in_cache {
+                        true => 1,
+                        false => self.staging.slots,
+                    },
                 };
                 (
                     algo.build,
@@ -909,12 +914,16 @@ impl Communicator {
             copy.copy_from_slice(unsafe { output.bytes() });
             input = Some(RawBuf::of(copy));
         }
+        let mut chunk_bytes = self.staging.slot_bytes.min(self.config.chunk_bytes);
+        if in_cache {
+            chunk_bytes = chunk_bytes.min(transfers::CACHED_CHUNK);
+        }
         let layout = Layout {
             rank,
             size: self.size,
             count: desc.count as usize,
             elem,
-            chunk: (self.staging.slot_bytes.min(self.config.chunk_bytes) / elem).max(1) * elem,
+            chunk: (chunk_bytes / elem).max(1) * elem,
             in_place: input.is_none(),
             root: desc.root.map_or(0, usize::from),
             hosts: &self.hosts,

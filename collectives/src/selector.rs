@@ -57,6 +57,11 @@ impl Selector {
         &self.setting
     }
 
+    /// Whether every message goes through shared memory.
+    pub fn shared_memory(&self) -> bool {
+        self.topology.shared_memory
+    }
+
     /// Forgets past choices (after the configuration changed).
     pub fn forget(&mut self) {
         self.choices.clear();
