@@ -329,9 +329,19 @@ fn print_preamble(
 ) -> std::io::Result<()> {
     let (comm, args) = (&*bench.comm, bench.args);
     let c = comm.config();
+    // Large reductions over shared memory stage smaller chunks, fewer at a time.
+    let large = match comm.pipeline(bench.collective, usize::MAX) {
+        (chunk, staged) if (chunk, staged) != comm.pipeline(bench.collective, 0) => {
+            format!(
+                " (large calls: {}, {staged} staged)",
+                human_bytes(chunk as u64)
+            )
+        }
+        _ => String::new(),
+    };
     writeln!(
         out,
-        "# collbench {}: {} ranks ({launcher}), transport {}, algorithm {algo}, chunk {} x {} in flight, timeout {}s",
+        "# collbench {}: {} ranks ({launcher}), transport {}, algorithm {algo}, chunk {} x {} in flight{large}, timeout {}s",
         bench.collective.name(),
         comm.size(),
         comm.transport_summary(),

@@ -289,6 +289,19 @@ impl Communicator {
         &self.config
     }
 
+    /// The pipeline a collective call on `bytes` per rank runs with: its
+    /// chunk bytes and how many staged receives it keeps in flight. Large
+    /// reductions over shared memory stage fewer, smaller chunks than the
+    /// configured ones (see `COLL_CHUNK` in the README).
+    pub fn pipeline(&self, collective: Collective, bytes: usize) -> (usize, usize) {
+        let chunk = self.staging.slot_bytes.min(self.config.chunk_bytes);
+        let shared_memory = self.selector.shared_memory();
+        match crate::transfers::stages_in_cache(collective, bytes, shared_memory) {
+            true => (chunk.min(crate::transfers::CACHED_CHUNK), 1),
+            false => (chunk, self.staging.slots),
+        }
+    }
+
     /// The transports in use: `shm`, `tcp` or `shm+tcp`.
     pub fn transport_summary(&self) -> String {
         mesh::summary(&self.via)

@@ -864,8 +864,7 @@ impl Communicator {
         let (mut input, mut output) = (call.input, call.output);
         let elem = desc.dtype.size();
         let larger = call.larger();
-        let in_cache =
-            transfers::stages_in_cache(desc.collective, larger, self.selector.shared_memory());
+        let (chunk_bytes, slots) = self.pipeline(desc.collective, larger);
         let (build, in_place_ok, lane, windows, algo_name) = match desc.collective {
             Collective::PointToPoint => (
                 algo::POINT_TO_POINT,
@@ -883,10 +882,7 @@ impl Communicator {
                 let windows = Windows {
                     sends: transfers::SEND_WINDOW.max(self.config.depth),
                     recvs: self.config.depth,
-                    slots: match in_cache {
-                        true => 1,
-                        false => self.staging.slots,
-                    },
+                    slots,
                 };
                 (
                     algo.build,
@@ -913,10 +909,6 @@ impl Communicator {
             // SAFETY: the caller's buffer, reserved for this call.
             copy.copy_from_slice(unsafe { output.bytes() });
             input = Some(RawBuf::of(copy));
-        }
-        let mut chunk_bytes = self.staging.slot_bytes.min(self.config.chunk_bytes);
-        if in_cache {
-            chunk_bytes = chunk_bytes.min(transfers::CACHED_CHUNK);
         }
         let layout = Layout {
             rank,
