@@ -15,15 +15,15 @@ use crate::{Collective, DataType, HugeBuffer, ReduceOp};
 /// Sends in flight per peer (receives are bounded by the pipeline depth).
 pub(crate) const SEND_WINDOW: usize = 16;
 
-/// Reductions over shared memory from [`CACHED_STAGING_FROM`] bytes on
+/// Reductions of [`CACHED_STAGING_FROM`] bytes or more over shared memory
 /// stage one chunk of at most this at a time, in one slot: each chunk then
 /// lands where the one before was reduced, lines still in our L2. With the
 /// pipeline's four 1 MiB slots taken in turn, a slot comes back after 4 MiB
 /// of slots and as much again of the buffers streamed past it, and each
 /// landing fetched its lines anew. Two threads modelling the 2-rank
 /// AllReduce of 16 MiB in place (`ci/allreduce_floor.c`) took 1370 us
-/// reading 256 KiB pieces into one 256 KiB buffer, 1563-1619 into a 1 MiB
-/// one. Ours, paired against four 1 MiB slots (Intel Xeon VM, `python3
+/// reading 256 KiB pieces into one 256 KiB buffer, 1513-1619 into a 1 MiB
+/// one (its `cma-slot` way). Ours, paired against four 1 MiB slots (Intel Xeon VM, `python3
 /// ci/ab.py allreduce N 16M 6 OLD NEW [--ip]`): AllReduce of 16 MiB in
 /// place 0.86x the time (2 ranks), 0.80x (4), 0.90x (8); out of place
 /// 0.99x (2), 0.89x (4), 0.95x (8); 4 MiB on 4 ranks 0.87x, ReduceScatter
@@ -33,7 +33,8 @@ pub(crate) const SEND_WINDOW: usize = 16;
 pub(crate) const CACHED_CHUNK: usize = 512 << 10;
 /// Below this a call's staging fits the cache anyway, and one slot held up
 /// a tree's two children (8-rank AllReduce of 256 KiB: 1.09x the time).
-/// Over TCP a chunk waits in the socket, not in a slot: 1.13x (2 ranks, 16 MiB).
+/// Over TCP, whose chunks are copied out of a socket rather than read from
+/// the sender's memory in pieces, it took 1.13x (2 ranks, 16 MiB).
 pub(crate) const CACHED_STAGING_FROM: usize = 2 << 20;
 
 /// Whether a call of `collective` on `bytes` stages one chunk of at most
