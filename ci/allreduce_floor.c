@@ -22,7 +22,7 @@
  * On the Intel Xeon VM (ci/measurements.md), 16 MiB: direct 1136-1180 us,
  * staged 1396, pieces 1156-1162, cma 1468-1525, cma-pcs 1267-1279; built
  * for AVX2 only (-mavx2, as our reduction kernels), cma-pcs 1332. Another
- * day: cma-pcs 1370-1375, cma-slot 1563-1619 (the 1 MiB buffer's lines
+ * day: cma-pcs 1370-1375, cma-slot 1513-1619 (the 1 MiB buffer's lines
  * leave the L2 between chunks; `transfers::CACHED_CHUNK`).
  *
  *   gcc -O3 -march=native -pthread -o allreduce_floor ci/allreduce_floor.c
@@ -38,13 +38,13 @@
 #include <sys/mman.h>
 #include <sys/uio.h>
 #include <unistd.h>
-
-#include "cpu.h"
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "cpu.h"
 
 static size_t bytes = 16 << 20, chunk = 1 << 20, piece;
 static int calls = 300, staged, cma, whole_slot;

@@ -23,13 +23,13 @@ pub(crate) const SEND_WINDOW: usize = 16;
 /// landing fetched its lines anew. Two threads modelling the 2-rank
 /// AllReduce of 16 MiB in place (`ci/allreduce_floor.c`) took 1370 us
 /// reading 256 KiB pieces into one 256 KiB buffer, 1513-1619 into a 1 MiB
-/// one (its `cma-slot` way). Ours, paired against four 1 MiB slots (Intel Xeon VM, `python3
-/// ci/ab.py allreduce N 16M 6 OLD NEW [--ip]`): AllReduce of 16 MiB in
-/// place 0.86x the time (2 ranks), 0.80x (4), 0.90x (8); out of place
-/// 0.99x (2), 0.89x (4), 0.95x (8); 4 MiB on 4 ranks 0.87x, ReduceScatter
-/// of 16 MiB on 8 ranks 0.79x (4 rounds); 256 MiB and Reduce 1.00-1.02x.
-/// One 1 MiB slot alone: 0.92-0.99x; 256 KiB chunks: as 512 KiB, but
-/// 1.02-1.03x at 2 ranks out of place.
+/// one (its `cma-slot` way). Ours, paired against four 1 MiB slots (Intel
+/// Xeon VM, `python3 ci/ab.py allreduce N 16M 6 OLD NEW [--ip]`):
+/// AllReduce of 16 MiB in place 0.86x the time (2 ranks), 0.80x (4), 0.90x
+/// (8); out of place 0.99x (2), 0.89x (4), 0.95x (8); 4 MiB on 4 ranks
+/// 0.87x, ReduceScatter of 16 MiB on 8 ranks 0.79x (4 rounds); 256 MiB and
+/// Reduce 1.00-1.02x. One 1 MiB slot alone: 0.92-0.99x; 256 KiB chunks: as
+/// 512 KiB, but 1.02-1.03x at 2 ranks out of place.
 pub(crate) const CACHED_CHUNK: usize = 512 << 10;
 /// Below this a call's staging fits the cache anyway, and one slot held up
 /// a tree's two children (8-rank AllReduce of 256 KiB: 1.09x the time).

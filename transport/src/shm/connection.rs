@@ -458,14 +458,16 @@ impl ShmConnection {
             false => false,
         };
         let took = match read {
-            true => (len - at).min(piece),
-            false => len,
+            true => {
+                let took = (len - at).min(piece);
+                self.read_piece(desc.remote as usize, dst, took)?;
+                took
+            }
+            false => {
+                self.copy_fragment(seq, remote, dst, len);
+                len
+            }
         };
-        if read {
-            self.read_piece(desc.remote as usize, dst, took)?;
-        } else {
-            self.copy_fragment(seq, remote, dst, len);
-        }
         self.piece_at += took;
         let inc = self.recvs.front_mut().expect("a receive is posted");
         inc.received += took;
