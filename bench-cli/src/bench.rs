@@ -3,7 +3,9 @@
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
-use collectives::{Buffers, Collective, Communicator, DataType, HugeBuffer, ReduceOp};
+use collectives::{
+    Buffers, Collective, Communicator, DataType, HugeBuffer, ReduceOp, SharedBuffer,
+};
 
 use crate::cli::BenchArgs;
 use crate::data;
@@ -15,8 +17,8 @@ pub struct Bench<'a> {
     pub comm: &'a mut Communicator,
     pub args: &'a BenchArgs,
     pub collective: Collective,
-    send: HugeBuffer,
-    recv: HugeBuffer,
+    send: Memory,
+    recv: Memory,
     /// AllToAllv's split of the size being measured.
     skew: Option<Skew>,
     started: Instant,
@@ -24,6 +26,37 @@ pub struct Bench<'a> {
     logged: Instant,
     /// Which size of how many the sweep is at, for the progress bar.
     pub sweep: (usize, usize),
+}
+
+/// A benchmark buffer: on huge pages, or a `SharedBuffer` (`--shared-buffers`).
+enum Memory {
+    Huge(HugeBuffer),
+    Shared(SharedBuffer),
+}
+
+impl Memory {
+    fn new(bytes: usize, shared: bool) -> Self {
+        match shared {
+            true => Memory::Shared(SharedBuffer::new(bytes).unwrap_or_else(|e| {
+                panic!("cannot allocate a shared buffer of {bytes} bytes: {e}")
+            })),
+            false => Memory::Huge(HugeBuffer::new(bytes)),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Memory::Huge(b) => b.bytes(),
+            Memory::Shared(b) => b.bytes(),
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Memory::Huge(b) => b.bytes_mut(),
+            Memory::Shared(b) => b.bytes_mut(),
+        }
+    }
 }
 
 /// Barriers per round of `--settle`, between looks at the clock.
@@ -70,8 +103,8 @@ impl<'a> Bench<'a> {
             comm,
             args,
             collective,
-            send: HugeBuffer::new(max_bytes as usize),
-            recv: HugeBuffer::new(recv_bytes),
+            send: Memory::new(max_bytes as usize, args.shared_buffers),
+            recv: Memory::new(recv_bytes, args.shared_buffers),
             skew: None,
             started: Instant::now(),
             logged: Instant::now(),

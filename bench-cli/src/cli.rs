@@ -155,6 +155,14 @@ pub struct BenchArgs {
     #[arg(long)]
     pub fresh: bool,
 
+    /// Allocate both buffers as `SharedBuffer`s (memory peers on the host
+    /// can map, as NCCL's ncclMemAlloc; nccl-tests' -R): a peer reads a
+    /// large message from them with memcpy instead of process_vm_readv.
+    /// Their pages are 4 KiB unless
+    /// /sys/kernel/mm/transparent_hugepage/shmem_enabled is "advise"
+    #[arg(long)]
+    pub shared_buffers: bool,
+
     /// Check results against the expected values (1) or not (0)
     #[arg(short = 'c', long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(0..=1))]
     pub check: u8,

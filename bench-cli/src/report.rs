@@ -156,6 +156,8 @@ pub struct Document<'a> {
     pub chunk_bytes: usize,
     pub depth: usize,
     pub check: bool,
+    /// Buffers allocated as `SharedBuffer`s (`--shared-buffers`).
+    pub shared_buffers: bool,
     pub rows: &'a [Row],
     pub summary: &'a Summary,
     /// Rank 0's counters (bytes and messages per peer, calls, waiting).

@@ -122,6 +122,26 @@ fn fresh_inputs_are_rewritten_not_changed() {
     }
 }
 
+/// With `--shared-buffers`, peers read large messages through mappings of
+/// each other's buffers: every collective checks clean at sizes below and
+/// above the single-copy threshold, odd ones included, at 3 ranks.
+#[test]
+fn shared_buffers_check_clean_for_every_collective() {
+    for coll in [
+        "allreduce",
+        "alltoall",
+        "allgather",
+        "broadcast",
+        "reducescatter",
+        "reduce",
+    ] {
+        let doc = sweep(&[coll, "-n", "3", "--size", "8,100001,3M", "--shared-buffers"]);
+        assert_eq!(doc["shared_buffers"], true, "{coll}");
+        assert_eq!(doc["summary"]["wrong"], 0, "{coll}");
+        assert_eq!(rows(&doc).len(), 3, "{coll}");
+    }
+}
+
 #[test]
 fn every_dtype_and_op_checks_clean() {
     for dtype in [

@@ -72,4 +72,5 @@ pub use huge_buffer::HugeBuffer;
 pub use nonblocking::{AsyncCommunicator, Handle, Ticket};
 pub use recorder::{CallRecord, Dump, PeerStats, Stats, WaitRecord};
 pub use reduce::ReduceOp;
+pub use transport::shm::SharedBuffer;
 pub use transport::Rank;

@@ -5,7 +5,7 @@ use std::io::Write;
 use std::net::{IpAddr, Ipv4Addr, TcpStream};
 use std::time::{Duration, Instant};
 
-use transport::shm::{ShmOptions, ShmTransport};
+use transport::shm::{SharedBuffer, ShmOptions, ShmTransport};
 use transport::tcp::{TcpOptions, TcpTransport};
 use transport::{Connection, Error, Hello, Poller, Transport};
 
@@ -464,6 +464,71 @@ contract!(tcp, shm, shm_two_copies);
 fn shm_reads_receives_used_as_they_land_in_pieces() {
     assert!(landed_parts(shm, true) >= 11);
     assert_eq!(landed_parts(shm, false), 0);
+}
+
+/// Sends `len` bytes at `at` in `src` from c1 to c0 (in pieces when
+/// `in_pieces`), and returns what arrived.
+fn send_from(
+    t: &dyn Transport,
+    (c0, c1): (&mut Box<dyn Connection>, &mut Box<dyn Connection>),
+    src: &SharedBuffer,
+    (at, len): (usize, usize),
+    in_pieces: bool,
+) -> Vec<u8> {
+    let mut dst = vec![0u8; len];
+    let rs = t.register(src.as_ptr(), src.len()).unwrap();
+    let rd = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+    let rd = if in_pieces { rd.used_as_landed() } else { rd };
+    // SAFETY: src and dst outlive the requests and are not touched until done.
+    let (s, r) = unsafe {
+        (
+            c1.isend(&rs, at, len, 5).unwrap(),
+            c0.irecv(&rd, 0, len, 5).unwrap(),
+        )
+    };
+    drive(c0, c1, |a, b| b.is_done(s) && a.is_done(r)).unwrap();
+    dst
+}
+
+/// Our read-only mappings of `SharedBuffer`s: how many buffers we read
+/// through a mapping and still hold (the buffers themselves are mapped
+/// read-write).
+fn read_mappings() -> usize {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    (maps.lines())
+        .filter(|l| l.contains("coll-buffer") && l.contains(" r--s "))
+        .count()
+}
+
+/// A large message from a `SharedBuffer` is read through a mapping of it
+/// (not with process_vm_readv) and arrives whole, from any offset, whole or
+/// in pieces; a buffer freed and another allocated (under the same
+/// descriptor number) is read anew, and the freed one's mapping goes.
+#[test]
+fn shm_reads_shared_buffers_through_a_mapping() {
+    let t = shm();
+    let (mut c0, mut c1) = pair(&*t);
+    let fill = |b: &mut SharedBuffer, seed: usize| {
+        (b.bytes_mut().iter_mut().enumerate()).for_each(|(i, x)| *x = ((i * seed) % 251) as u8)
+    };
+    let mut a = SharedBuffer::new(5 << 20).unwrap();
+    fill(&mut a, 7);
+    let before = read_mappings();
+    for (at, len, pieces) in [
+        (0, 5 << 20, false),
+        (4097, (3 << 20) + 5, true),
+        (1 << 20, 65_537, false),
+    ] {
+        let got = send_from(&*t, (&mut c0, &mut c1), &a, (at, len), pieces);
+        assert!(got[..] == a.bytes()[at..at + len], "{len} bytes at {at}");
+    }
+    assert_eq!(read_mappings(), before + 1, "read through one mapping");
+    drop(a);
+    let mut b = SharedBuffer::new(2 << 20).unwrap();
+    fill(&mut b, 13);
+    let got = send_from(&*t, (&mut c0, &mut c1), &b, (3, (2 << 20) - 3), true);
+    assert!(got[..] == b.bytes()[3..], "the new buffer's bytes");
+    assert_eq!(read_mappings(), before + 1, "the freed buffer unmapped");
 }
 
 #[test]

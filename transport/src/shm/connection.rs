@@ -11,10 +11,12 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use super::costs::{self, CopyCosts};
+use super::peer_maps::PeerMaps;
 use super::segment::{
     Desc, Help, Kind, Segment, EAGER_MAX, EAGER_MAX_ALL_IN_FLIGHT, OBSERVE, PUBLISH, SLOTS,
     SLOT_BYTES,
 };
+use super::shared_buffer::{self, Region};
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
 };
@@ -44,6 +46,8 @@ pub struct ShmConnection {
     side: usize,
     /// Whether the receiver may read large messages from the sender's memory.
     remote_reads: bool,
+    /// The peer's `SharedBuffer`s we read from, mapped.
+    maps: PeerMaps,
     sends: VecDeque<Outgoing>,
     /// Index in `sends` of the first message not fully published.
     publishing: usize,
@@ -80,6 +84,8 @@ struct Outgoing {
     /// Whether the receiver reads it from our memory (`process_vm_readv`),
     /// decided as it is posted.
     remote: bool,
+    /// The registered `SharedBuffer` it lies in, which the receiver maps.
+    region: Option<Region>,
     /// Whether we may write it for the receiver when offered (see
     /// [`MemRegion::declines_help`]).
     helps: bool,
@@ -114,6 +120,7 @@ impl ShmConnection {
             peer_pid,
             side,
             remote_reads,
+            maps: PeerMaps::new(peer_pid),
             sends: VecDeque::new(),
             publishing: 0,
             recvs: VecDeque::new(),
@@ -195,6 +202,11 @@ impl ShmConnection {
             len: len as u64,
             remote: if remote { out.data as u64 } else { 0 },
             kind: if remote { Kind::Remote } else { Kind::Eager } as u32,
+            region_fd: out.region.map_or(-1, |r| r.fd),
+            region_ino: out.region.map_or(0, |r| r.ino),
+            region_offset: out
+                .region
+                .map_or(0, |r| (out.data as usize - r.start) as u64),
         };
         if remote {
             // The slot was handed back: the receiver no longer looks at it.
@@ -460,7 +472,7 @@ impl ShmConnection {
         let took = match read {
             true => {
                 let took = (len - at).min(piece);
-                self.read_piece(desc.remote as usize, dst, took)?;
+                self.read_piece(&desc, dst, took)?;
                 took
             }
             false => {
@@ -482,14 +494,31 @@ impl ShmConnection {
         Ok(Take::Whole { read })
     }
 
-    /// Reads `len` bytes of the remote message at `addr` in the sender
-    /// into the fragment at `dst`, both from byte `piece_at` on.
-    fn read_piece(&mut self, addr: usize, dst: *mut u8, len: usize) -> Result<()> {
+    /// Reads `len` bytes of the remote message `desc` describes into the
+    /// fragment at `dst`, both from byte `piece_at` on: from our mapping of
+    /// its `SharedBuffer` if it lies in one we can map, else with
+    /// `process_vm_readv`.
+    fn read_piece(&mut self, desc: &Desc, dst: *mut u8, len: usize) -> Result<()> {
         let start = costs::timer(len);
         // SAFETY: piece_at + len stays inside the fragment, which was
         // checked against the receive (the caller counts len from piece_at).
         let dst = unsafe { dst.add(self.piece_at) };
-        let addr = addr + self.piece_at;
+        let mapped = (desc.region_fd >= 0)
+            .then(|| {
+                let offset = desc.region_offset as usize + self.piece_at;
+                (self.maps).locate(desc.region_fd, desc.region_ino, offset, len)
+            })
+            .flatten();
+        if let Some(src) = mapped {
+            // SAFETY: `src..src + len` lies in our mapping of the sender's
+            // buffer, which the sender leaves unchanged until we hand the
+            // slot back (isend contract); `dst` is ours to write (irecv
+            // contract) and not in that mapping.
+            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
+            self.costs.note_read(len, start);
+            return Ok(());
+        }
+        let addr = desc.remote as usize + self.piece_at;
         read_remote(self.peer_pid, addr, dst, len).map_err(|e| match e.raw_os_error() {
             Some(libc::ESRCH) => Error::Closed { peer: self.peer },
             _ => Error::io(Some(self.peer), "process_vm_readv", &e),
@@ -721,13 +750,17 @@ impl Connection for ShmConnection {
             true => EAGER_MAX_ALL_IN_FLIGHT,
             false => EAGER_MAX,
         };
+        let remote = self.remote_reads && len > eager_max;
         self.sends.push_back(Outgoing {
             data,
             len,
             tag,
             published: 0,
             last_slot: None,
-            remote: self.remote_reads && len > eager_max,
+            remote,
+            region: remote
+                .then(|| shared_buffer::region_of(data as usize, len))
+                .flatten(),
             helps: !region.is_declining_help(),
         });
         Ok(self.requests.post(Direction::Send))

@@ -9,8 +9,11 @@
 //! `process_vm_readv` (cross-memory attach, one copy, as Open MPI's shared
 //! memory path does) when both sides may; into memory whose owner allows
 //! it, the sender may copy one itself while the receiver is busy with
-//! another (`segment::Help`). The Unix socket stays open beside the rings
-//! as doorbell, abort channel and death detector.
+//! another (`segment::Help`). A large message from a [`SharedBuffer`]
+//! (memory the sender allocated to be mapped) is read instead through the
+//! receiver's mapping of it, with `memcpy` (`peer_maps`). The Unix socket
+//! stays open beside the rings as doorbell, abort channel and death
+//! detector.
 //!
 //! Listening addresses are abstract Unix socket names: nothing on disk, and
 //! private to the network namespace, like the host identity the bootstrap
@@ -18,7 +21,9 @@
 
 mod connection;
 mod costs;
+mod peer_maps;
 mod segment;
+mod shared_buffer;
 
 use std::io::{ErrorKind, Read, Write};
 use std::os::fd::OwnedFd;
@@ -33,6 +38,7 @@ use rustix::net::{
 
 pub use connection::ShmConnection;
 use segment::Segment;
+pub use shared_buffer::SharedBuffer;
 
 use crate::wire::{self, ACK_LEN, HELLO_LEN};
 use crate::{Connection, Error, Hello, Listener, MemRegion, Rank, Result, Transport};

@@ -34,12 +34,12 @@ pub(crate) const EAGER_MAX: usize = 32 << 10;
 /// (4 ranks) the time with 8 KiB, a ring's blocks waiting on each read.
 pub(crate) const EAGER_MAX_ALL_IN_FLIGHT: usize = 8 << 10;
 
-const MAGIC: u64 = u64::from_le_bytes(*b"COLLSHM2");
+const MAGIC: u64 = u64::from_le_bytes(*b"COLLSHM3");
 const LINE: usize = 128;
 const HEADER_BYTES: usize = 4096;
 /// A descriptor's line, then the help word's.
 const DESC_BYTES: usize = 128;
-const HELP_AT: usize = 64;
+const HELP_AT: usize = 96;
 const DIR_BYTES: usize = SLOTS as usize * (DESC_BYTES + SLOT_BYTES);
 
 /// Bytes of a whole segment.
@@ -69,9 +69,15 @@ pub(crate) struct Desc {
     /// Sender's address of the bytes, for [`Kind::Remote`].
     pub remote: u64,
     pub kind: u32,
+    /// For a [`Kind::Remote`] message in a registered `SharedBuffer`: the
+    /// sender's descriptor number of its memfd (else -1), the memfd's inode
+    /// and where the message starts in it.
+    pub region_fd: i32,
+    pub region_ino: u64,
+    pub region_offset: u64,
 }
 
-const _: () = assert!(std::mem::size_of::<Desc>() <= HELP_AT);
+const _: () = assert!(std::mem::size_of::<Desc>() <= HELP_AT && HELP_AT + 16 <= DESC_BYTES);
 
 /// The states of a published [`Kind::Remote`] slot's help word. The
 /// receiver copies such a message itself (`process_vm_readv`) when it

@@ -1,0 +1,125 @@
+//! The reading side of [`SharedBuffer`](super::SharedBuffer)s: a peer's
+//! memfds mapped into our address space, the last few used, so that a
+//! large message from one is read with `memcpy` instead of
+//! `process_vm_readv`.
+
+use std::collections::VecDeque;
+use std::ptr::NonNull;
+
+use rustix::fs::{Mode, OFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+/// Mappings kept per peer, at most: a training step's buffers are few.
+/// Beyond, the least recently used goes (and is mapped again when used).
+const KEEP: usize = 16;
+
+pub(crate) struct PeerMaps {
+    pid: i32,
+    /// Most recently used first.
+    maps: VecDeque<Mapped>,
+    /// Inodes that could not be mapped: read with `process_vm_readv`.
+    refused: VecDeque<u64>,
+}
+
+struct Mapped {
+    fd: i32,
+    ino: u64,
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mappings are read-only views owned by this value; moving it
+// to another thread changes nothing.
+unsafe impl Send for PeerMaps {}
+
+impl PeerMaps {
+    pub fn new(pid: i32) -> Self {
+        PeerMaps {
+            pid,
+            maps: VecDeque::new(),
+            refused: VecDeque::new(),
+        }
+    }
+
+    /// Our address of `len` bytes at `offset` in the peer's memfd numbered
+    /// `fd` (inode `ino`), mapped on first use; `None` where it cannot be
+    /// mapped or the range does not fit it.
+    pub fn locate(&mut self, fd: i32, ino: u64, offset: usize, len: usize) -> Option<*const u8> {
+        let at = match self.maps.iter().position(|m| m.ino == ino) {
+            Some(at) => at,
+            None if self.refused.contains(&ino) => return None,
+            None => match map_peer(self.pid, fd, ino) {
+                Ok(m) => {
+                    self.forget_freed();
+                    self.maps.push_front(m);
+                    if self.maps.len() > KEEP {
+                        self.maps.pop_back();
+                    }
+                    0
+                }
+                Err(e) => {
+                    tracing::debug!(pid = self.pid, fd, "cannot map the peer's buffer: {e}");
+                    self.refused.push_front(ino);
+                    self.refused.truncate(KEEP);
+                    return None;
+                }
+            },
+        };
+        let m = self.maps.remove(at).expect("found above");
+        let fits = offset.checked_add(len).is_some_and(|end| end <= m.len);
+        // SAFETY: offset < m.len when it fits: inside the mapping.
+        let ptr = fits.then(|| unsafe { m.ptr.as_ptr().add(offset) }.cast_const());
+        self.maps.push_front(m);
+        ptr
+    }
+
+    /// Unmaps the buffers the peer freed (their descriptor is closed or
+    /// names another file now): our mapping would keep their memory alive.
+    /// Asked as a new buffer is mapped: a freed one stays mapped until then
+    /// (or until the connection closes).
+    fn forget_freed(&mut self) {
+        let pid = self.pid;
+        (self.maps).retain(|m| {
+            rustix::fs::stat(format!("/proc/{pid}/fd/{}", m.fd)).is_ok_and(|s| s.st_ino == m.ino)
+        });
+    }
+}
+
+/// Maps the peer's memfd `fd` read-only, if it is still the file `ino`.
+fn map_peer(pid: i32, fd: i32, ino: u64) -> std::io::Result<Mapped> {
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let file = rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    let stat = rustix::fs::fstat(&file)?;
+    if stat.st_ino != ino || stat.st_size <= 0 {
+        return Err(std::io::Error::other(
+            "the descriptor names another file now",
+        ));
+    }
+    let len = stat.st_size as usize;
+    // SAFETY: a fresh read-only shared mapping of a file we hold; we only
+    // read it, at offsets checked against `len`. The owner never shrinks it.
+    let ptr = unsafe {
+        rustix::mm::mmap(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ,
+            MapFlags::SHARED,
+            &file,
+            0,
+        )?
+    };
+    Ok(Mapped {
+        fd,
+        ino,
+        ptr: NonNull::new(ptr.cast()).expect("mmap returned null"),
+        len,
+    })
+}
+
+impl Drop for Mapped {
+    fn drop(&mut self) {
+        // SAFETY: our mapping; no pointer into it outlives the read that
+        // took it (`locate`'s result is used before the next call).
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
