@@ -450,6 +450,24 @@ collResult_t collGroupStart(void);
  */
 collResult_t collGroupEnd(void);
 
+/**
+ * Allocates `size` zeroed bytes that peers on the host map: pass them to
+ * any call, as any buffer; sends from them are read without a system
+ * call. Free with collMemFree.
+ *
+ * # Safety
+ * `ptr` must be NULL or valid for a write of a pointer.
+ */
+collResult_t collMemAlloc(void **ptr, size_t size);
+
+/**
+ * Frees memory from collMemAlloc (NULL: nothing). No call may still use it.
+ *
+ * # Safety
+ * No call in flight may use the memory.
+ */
+collResult_t collMemFree(void *ptr);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

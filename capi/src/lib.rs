@@ -12,6 +12,7 @@ mod boundary;
 mod calls;
 mod comm;
 mod group;
+mod memory;
 
 use std::ffi::{c_char, c_int};
 use std::sync::Mutex;
@@ -21,6 +22,7 @@ use collectives::{AbortHandle, AsyncCommunicator};
 pub use calls::*;
 pub use comm::*;
 pub use group::*;
+pub use memory::*;
 
 /// Result of every call.
 #[repr(C)]

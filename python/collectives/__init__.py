@@ -22,6 +22,11 @@ aborted), ``TimeoutError`` (nothing moved for COLL_TIMEOUT seconds),
 ``AbortedError``. Ctrl-C during a call aborts the communicator (its peers
 are told) and raises KeyboardInterrupt.
 
+``collectives.shared_empty(shape, dtype)`` allocates a zeroed array in
+memory peers on the host map (as NCCL's ``ncclMemAlloc``): large messages
+sent from it are read with ``memcpy`` instead of a system call.
+``torch.from_numpy`` wraps it as a tensor without a copy.
+
 ``import collectives.torch`` registers the ``"collectives"`` backend of
 ``torch.distributed``.
 """
@@ -34,6 +39,7 @@ from ._native import (
     Handle,
     MismatchError,
     PeerError,
+    SharedMemory,
     TimeoutError,
     unique_id,
 )
@@ -46,6 +52,19 @@ __all__ = [
     "Handle",
     "MismatchError",
     "PeerError",
+    "SharedMemory",
     "TimeoutError",
+    "shared_empty",
     "unique_id",
 ]
+
+
+def shared_empty(shape, dtype="float32"):
+    """A zeroed numpy array of ``shape`` and ``dtype`` in memory that peers
+    on the host map (a ``SharedMemory``, kept alive by the array)."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    memory = SharedMemory(count * dtype.itemsize)
+    return np.asarray(memory).view(dtype).reshape(shape)

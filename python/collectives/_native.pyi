@@ -35,6 +35,15 @@ def unique_id() -> bytes:
 def launcher_env() -> dict[str, str]:
     """RANK, WORLD_SIZE and LOCAL_RANK as read from the launcher's variables."""
 
+class SharedMemory:
+    """``nbytes`` zeroed bytes that peers on the host map (see
+    ``collectives.shared_empty``); ``numpy.asarray`` views them as uint8."""
+
+    def __init__(self, nbytes: int) -> None: ...
+    def __len__(self) -> int: ...
+    @property
+    def __array_interface__(self) -> dict: ...
+
 class Handle:
     """A call in flight (every method with ``async_op=True`` returns one)."""
 

@@ -8,6 +8,7 @@ mod comm;
 mod errors;
 mod group;
 mod handle;
+mod memory;
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -44,6 +45,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<comm::Communicator>()?;
     m.add_class::<handle::Handle>()?;
     m.add_class::<group::Group>()?;
+    m.add_class::<memory::SharedMemory>()?;
     m.add_function(wrap_pyfunction!(unique_id, m)?)?;
     m.add_function(wrap_pyfunction!(launcher_env, m)?)?;
     let at_exit = wrap_pyfunction!(handle::_at_exit, m)?;

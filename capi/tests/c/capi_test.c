@@ -370,6 +370,35 @@ static void expect_invalid(collComm_t comm, collResult_t r, const char *what) {
   EXPECT(last && strlen(last) > 0, "%s: no last error", what);
 }
 
+/* Buffers from collMemAlloc, which peers map: a large AllReduce in place
+ * and an AllGather out of place, checked; then freeing. */
+static void test_mem_alloc(collComm_t comm) {
+  size_t count = BIG_COUNT * 3;
+  float *buf, *all;
+  CHECK(comm, collMemAlloc((void **)&buf, count * sizeof(float)));
+  CHECK(comm, collMemAlloc((void **)&all, count * nranks * sizeof(float)));
+  for (size_t i = 0; i < count; i++) buf[i] = (float)(rank + 1) * (float)(i % 97);
+  CHECK(comm, collAllReduce(buf, buf, count, collFloat32, collSum, comm));
+  float ranks_sum = (float)(nranks * (nranks + 1) / 2);
+  for (size_t i = 0; i < count; i++)
+    if (buf[i] != ranks_sum * (float)(i % 97)) {
+      EXPECT(0, "allreduce of collMemAlloc memory: [%zu] = %g", i, buf[i]);
+      break;
+    }
+  CHECK(comm, collAllGather(buf, all, count, collFloat32, comm));
+  for (size_t i = 0; i < count * nranks; i++)
+    if (all[i] != buf[i % count]) {
+      EXPECT(0, "allgather of collMemAlloc memory: [%zu] = %g", i, all[i]);
+      break;
+    }
+  CHECK(comm, collMemFree(buf));
+  CHECK(comm, collMemFree(all));
+  CHECK(comm, collMemFree(NULL));
+  EXPECT(collMemFree(buf) == collInvalidArgument, "a second free is refused");
+  EXPECT(collMemAlloc((void **)&buf, 0) == collInvalidArgument, "size 0 is refused");
+  EXPECT(collMemAlloc(NULL, 64) == collInvalidArgument, "a NULL ptr is refused");
+}
+
 static void test_bad_arguments(collComm_t comm) {
   float x[8] = {0}, y[8 * 64];
   collComm_t out;
@@ -592,6 +621,7 @@ int main(int argc, char **argv) {
     test_alltoall(comm, (int)d);
     test_sendrecv(comm, (int)d);
   }
+  test_mem_alloc(comm);
   test_split(comm);
   test_groups(comm);
   test_nonblocking();

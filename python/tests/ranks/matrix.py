@@ -145,6 +145,19 @@ with comm.group() as g:
 for k, a in enumerate(small):
     check(f"group all_reduce {k}", a, np.full(100 + k, n * (n - 1) / 2 + n * k, np.float32))
 
+# Arrays in memory peers map (collectives.shared_empty): large messages
+# are read through a mapping; in place, out of place, and freed.
+big = collectives.shared_empty((3, (1 << 18) + 3), np.float32)
+big[...] = (rank + 1) * (np.arange(big.size, dtype=np.float32) % 97).reshape(big.shape)
+comm.all_reduce(big)
+want = n * (n + 1) / 2 * (np.arange(big.size, dtype=np.float32) % 97).reshape(big.shape)
+check("all_reduce of shared_empty memory", big, want)
+gathered = collectives.shared_empty((n,) + big.shape, np.float32)
+comm.all_gather(big, gathered)
+check("all_gather of shared_empty memory", gathered, np.stack([want] * n))
+check("shared_empty is zeroed", collectives.shared_empty(5, np.int64), np.zeros(5, np.int64))
+del big, gathered
+
 comm.barrier()
 if failures:
     print(f"rank {rank}: {len(failures)} failures:\n  " + "\n  ".join(failures[:20]), file=sys.stderr)
