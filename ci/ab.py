@@ -15,7 +15,8 @@ target/release/collbench /tmp/cb-a), then rebuild. --fresh: every binary,
 Open MPI's too, rewrites each call's input before the call (collbench
 --fresh). --tcp: every binary over TCP on loopback (ours COLL_TRANSPORT=tcp,
 Open MPI's btl tcp on lo). A BIN may carry COLL_* settings before the path
-(COLL_CHUNK=256K:/tmp/cb-a); BUSY=1 (BUSY=1:mpi too) runs that binary
+(COLL_CHUNK=256K:/tmp/cb-a; COLL_SHARED_BUFFERS=1:/tmp/cb-a for
+collbench --shared-buffers); BUSY=1 (BUSY=1:mpi too) runs that binary
 beside a busy loop (as --busy, which would add a second one), so that one
 series has a build idle and busy in the same minutes: the goal's "busy
 within 3x of idle". SIZE takes K, M and G suffixes for every binary.

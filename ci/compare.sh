@@ -12,7 +12,7 @@
 #
 #   ci/compare.sh [--reps N] [--ranks "2 4 8"] [--sizes "8 1M 16M 256M"]
 #                 [--collectives "allreduce alltoall reducescatter allgather broadcast reduce"]
-#                 [--busy [--idle DIR]] [--fresh] [--recheck N]
+#                 [--busy [--idle DIR]] [--fresh] [--recheck N] [--shared-buffers]
 #
 # --busy: a busy loop pinned to the last core runs throughout (a data
 # loader, a noisy neighbour: a training host is never idle), for every
@@ -36,6 +36,13 @@
 # same conditions (the busy loop still runs): a cell behind in paired runs
 # too is a gap to work on, one ahead there was the sweep's minute.
 #
+# --shared-buffers: our buffers are SharedBuffers (COLL_SHARED_BUFFERS=1,
+# as collbench --shared-buffers): peers on the host map them and read
+# large messages with memcpy, as NCCL's ncclMemAlloc memory. Open MPI's
+# are its benchmark's own (huge pages, read with CMA). On a host whose
+# /sys/kernel/mm/transparent_hugepage/shmem_enabled says "never", shared
+# memory gets 4 KiB pages: set "advise" (as root) for huge ones.
+#
 # Needs Open MPI (installed with apt-get when run as root). Set
 # PYTHON to a Python with torch for the Gloo column.
 set -euo pipefail
@@ -53,6 +60,7 @@ while [ $# -gt 0 ]; do
     --fresh) fresh=--fresh; shift ;;
     --idle) idle=$2; shift 2 ;;
     --recheck) recheck=$2; shift 2 ;;
+    --shared-buffers) export COLL_SHARED_BUFFERS=1; shift ;;
     -h|--help) sed -n '2,/^set /p' "$0" | grep '^#' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "compare.sh: unknown option $1" >&2; exit 2 ;;
   esac

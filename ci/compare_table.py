@@ -218,6 +218,8 @@ def write_series(res, keys, d):
     for `collbench plot`: series-<coll>-<n>-<impl>.json in `d`."""
     for coll, n in sorted({(c, n) for c, n, _ in keys}):
         for impl, name in NAMES.items():
+            if impl == "ours" and os.environ.get("COLL_SHARED_BUFFERS") == "1":
+                name += " (shared buffers)"
             rows = []
             for c, k, size in keys:
                 mode = "in_place" if (impl == "gloo" and coll == "allreduce") else "out_of_place"

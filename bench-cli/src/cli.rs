@@ -160,6 +160,7 @@ pub struct BenchArgs {
     /// large message from them with memcpy instead of process_vm_readv.
     /// Their pages are 4 KiB unless
     /// /sys/kernel/mm/transparent_hugepage/shmem_enabled is "advise"
+    /// [default: on if COLL_SHARED_BUFFERS=1]
     #[arg(long)]
     pub shared_buffers: bool,
 
@@ -388,6 +389,12 @@ fn secs(s: &str) -> Result<Duration, String> {
 }
 
 impl BenchArgs {
+    /// Whether the buffers are `SharedBuffer`s: `--shared-buffers`, or
+    /// COLL_SHARED_BUFFERS=1 (which scripts set for a whole comparison).
+    pub fn shared_buffers(&self) -> bool {
+        self.shared_buffers || std::env::var("COLL_SHARED_BUFFERS").is_ok_and(|v| v == "1")
+    }
+
     /// The sizes of the sweep, in bytes.
     pub fn sizes(&self) -> Result<Vec<u64>, String> {
         if let Some(list) = &self.size {

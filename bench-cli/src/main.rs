@@ -304,7 +304,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
                 chunk_bytes: config.chunk_bytes,
                 depth: config.depth,
                 check: args.check == 1,
-                shared_buffers: args.shared_buffers,
+                shared_buffers: args.shared_buffers(),
                 rows: &rows,
                 summary: &summary,
                 stats: bench.comm.stats(),
@@ -371,7 +371,7 @@ fn print_preamble(
             false => "",
         },
     )?;
-    if args.shared_buffers {
+    if args.shared_buffers() {
         writeln!(
             out,
             "# buffers: SharedBuffers (--shared-buffers): peers on the host map them and read with memcpy"
