@@ -60,6 +60,7 @@ impl SharedBuffer {
         }
         let fd = rustix::fs::memfd_create("coll-buffer", MemfdFlags::CLOEXEC)?;
         rustix::fs::ftruncate(&fd, len as u64)?;
+        let ino = rustix::fs::fstat(&fd)?.st_ino;
         // SAFETY: a fresh shared mapping of a file we just sized; nothing
         // else in this process aliases it.
         let ptr = unsafe {
@@ -75,7 +76,6 @@ impl SharedBuffer {
         // SAFETY: the range is the mapping just made; advice changes only
         // how the kernel backs it. Refused advice leaves 4 KiB pages.
         let _ = unsafe { rustix::mm::madvise(ptr, len, rustix::mm::Advice::LinuxHugepage) };
-        let ino = rustix::fs::fstat(&fd)?.st_ino;
         let region = Region {
             start: ptr as usize,
             len,
