@@ -57,7 +57,20 @@ from torch.distributed import ReduceOp
 
 import collectives
 
-__all__ = ["BackendCollectives", "ProcessGroupCollectives", "launcher_env"]
+__all__ = ["BackendCollectives", "ProcessGroupCollectives", "launcher_env", "shared_empty"]
+
+
+def shared_empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed CPU tensor in memory that peers on the host map (see
+    ``collectives.shared_empty``): the backend's calls read large messages
+    from it with ``memcpy`` instead of a system call. Any dtype, bfloat16
+    included; ``size`` as ``torch.empty`` takes it."""
+    shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
+    count = 1
+    for d in shape:
+        count *= d
+    raw = collectives.shared_empty(count * torch.empty(0, dtype=dtype).element_size(), "uint8")
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 def launcher_env() -> dict[str, str]:

@@ -111,6 +111,17 @@ assert w.is_completed() and fut.wait()[0].eq(n).all(), "async all_reduce"
 vals = dist.all_reduce(torch.ones(3), async_op=True).get_future().then(lambda f: f.value()[0] * 2).wait()
 expect("future.then", vals, torch.full((3,), 2.0 * n))
 
+# Tensors in memory peers map (collectives.torch.shared_empty), bfloat16
+# too: large messages are read through a mapping.
+for dtype in (torch.float32, torch.bfloat16):
+    s = collectives.torch.shared_empty(3, (1 << 18) + 3, dtype=dtype)
+    assert s.shape == (3, (1 << 18) + 3) and s.dtype == dtype and s.eq(0).all(), "shared_empty"
+    # Small integers (exact in bfloat16) that differ from piece to piece.
+    pattern = (torch.arange(s.numel()) // 4099 % 8).reshape(s.shape).to(dtype)
+    s.copy_(pattern * (rank + 1))
+    dist.all_reduce(s)
+    expect(f"all_reduce of shared_empty {dtype}", s, pattern * (n * (n + 1) // 2))
+
 # Subgroups: even and odd ranks, each used from its own thread, at once
 # with the world group.
 evens, odds = list(range(0, n, 2)), list(range(1, n, 2))
