@@ -1,10 +1,12 @@
 """dist.all_reduce through torch, the collectives backend against Gloo in one
 job, sizes interleaved so both see the same machine:
 
-    torchrun --nproc-per-node 4 python/examples/torch_allreduce_bench.py [--sizes 8,1K,1M,256M]
+    torchrun --nproc-per-node 4 python/examples/torch_allreduce_bench.py [--sizes 8,1K,1M,256M] [--shared]
 
 Rank 0 prints, per size, the median time per call of each backend (the
-slowest rank's, as collbench reports) and their ratio.
+slowest rank's, as collbench reports) and their ratio. --shared adds the
+collectives backend on tensors from collectives.torch.shared_empty (memory
+peers on the host map).
 """
 
 import argparse
@@ -25,19 +27,25 @@ def size(text: str) -> int:
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--sizes", default="8,1K,32K,1M,16M,256M")
 parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians)")
+parser.add_argument("--shared", action="store_true", help="also time tensors from collectives.torch.shared_empty")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
 dist.init_process_group("collectives")
 groups = {"collectives": dist.group.WORLD, "gloo": dist.new_group(backend="gloo")}
+# Each series: its group and how its tensor is made.
+series = {"collectives": (groups["collectives"], torch.ones), "gloo": (groups["gloo"], torch.ones)}
+if args.shared:
+    shared = lambda count: collectives.torch.shared_empty(count).fill_(1.0)  # noqa: E731
+    series["shared"] = (groups["collectives"], shared)
 rank, n = dist.get_rank(), dist.get_world_size()
 sizes = [size(s) for s in args.sizes.split(",")]
-times = {(k, s): [] for k in groups for s in sizes}
+times = {(k, s): [] for k in series for s in sizes}
 for _ in range(args.reps):
     for s in sizes:
-        t = torch.ones(max(s // 4, 1))
         iters = 200 if s <= 64 << 10 else 20 if s <= 16 << 20 else 3
-        for name, group in groups.items():
+        for name, (group, make) in series.items():
+            t = make(max(s // 4, 1))
             for _ in range(max(iters // 10, 1)):
                 dist.all_reduce(t, group=group)
             dist.barrier(group=group)
@@ -49,10 +57,15 @@ for _ in range(args.reps):
             times[(name, s)].append(took.item())
 if rank == 0:
     print(f"# dist.all_reduce, {n} ranks, float32, median of {args.reps} interleaved runs (slowest rank)")
-    print(f"# {'bytes':>10} {'collectives us':>15} {'gloo us':>12} {'gloo/collectives':>17}")
+    shared_cols = f" {'shared us':>12} {'gloo/shared':>12}" if args.shared else ""
+    print(f"# {'bytes':>10} {'collectives us':>15} {'gloo us':>12} {'gloo/collectives':>17}{shared_cols}")
     for s in sizes:
-        a, b = (statistics.median(times[(k, s)]) * 1e6 for k in groups)
-        print(f"  {s:>10} {a:>15.1f} {b:>12.1f} {b / a:>17.1f}")
+        a, b = (statistics.median(times[(k, s)]) * 1e6 for k in ("collectives", "gloo"))
+        line = f"  {s:>10} {a:>15.1f} {b:>12.1f} {b / a:>17.1f}"
+        if args.shared:
+            c = statistics.median(times[("shared", s)]) * 1e6
+            line += f" {c:>12.1f} {b / c:>12.1f}"
+        print(line)
 # The Gloo group goes first, on every rank, before any rank exits and closes
 # its sockets (see embedding_exchange.py).
 dist.destroy_process_group(groups["gloo"])
