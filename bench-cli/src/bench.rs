@@ -35,13 +35,15 @@ enum Memory {
 }
 
 impl Memory {
-    fn new(bytes: usize, shared: bool) -> Self {
-        match shared {
-            true => Memory::Shared(SharedBuffer::new(bytes).unwrap_or_else(|e| {
-                panic!("cannot allocate a shared buffer of {bytes} bytes: {e}")
-            })),
+    fn new(bytes: usize, shared: bool) -> Result<Self, String> {
+        Ok(match shared {
+            true => {
+                Memory::Shared(SharedBuffer::new(bytes).map_err(|e| {
+                    format!("cannot allocate a shared buffer of {bytes} bytes: {e}")
+                })?)
+            }
             false => Memory::Huge(HugeBuffer::new(bytes)),
-        }
+        })
     }
 
     fn bytes(&self) -> &[u8] {
@@ -78,13 +80,15 @@ pub fn settle(comm: &mut Communicator, ms: u64) -> Result<(), collectives::Error
 }
 
 impl<'a> Bench<'a> {
-    /// Allocates both buffers for the largest size once; every size reuses them.
+    /// Allocates both buffers for the largest size once; every size reuses
+    /// them. Fails only where shared buffers (`--shared-buffers`) cannot be
+    /// allocated.
     pub fn new(
         comm: &'a mut Communicator,
         args: &'a BenchArgs,
         collective: Collective,
         max_bytes: u64,
-    ) -> Self {
+    ) -> Result<Self, String> {
         // AllToAllv: a popular destination receives more than it sends.
         let recv_bytes = match collective {
             Collective::AllToAllV => {
@@ -99,17 +103,18 @@ impl<'a> Bench<'a> {
             }
             _ => max_bytes as usize,
         };
-        Bench {
+        let shared = args.shared_buffers();
+        Ok(Bench {
             comm,
             args,
             collective,
-            send: Memory::new(max_bytes as usize, args.shared_buffers()),
-            recv: Memory::new(recv_bytes, args.shared_buffers()),
+            send: Memory::new(max_bytes as usize, shared)?,
+            recv: Memory::new(recv_bytes, shared)?,
             skew: None,
             started: Instant::now(),
             logged: Instant::now(),
             sweep: (0, 1),
-        }
+        })
     }
 
     /// Elements of the (larger) buffer for a requested size: a multiple of

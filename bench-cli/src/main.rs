@@ -258,7 +258,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
         None => "selected by size",
     };
     let max_bytes = *sizes.iter().max().unwrap();
-    let mut bench = Bench::new(&mut comm, args, collective, max_bytes);
+    let mut bench = Bench::new(&mut comm, args, collective, max_bytes)?;
     let rank0 = bench.comm.rank() == 0;
     let json_to_stdout = args.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
     let mut out: Box<dyn Write> = match (rank0, json_to_stdout) {

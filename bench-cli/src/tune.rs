@@ -75,7 +75,7 @@ pub fn run(
         for _ in 0..REPETITIONS {
             for (a, name) in names.iter().enumerate() {
                 comm.force_algo(collective, Some(name));
-                let mut bench = Bench::new(comm, &quiet, collective, max);
+                let mut bench = Bench::new(comm, &quiet, collective, max)?;
                 for (i, &size) in sizes.iter().enumerate() {
                     let row = bench.row(size).map_err(e)?;
                     for mode in [Some(row.out_of_place), row.in_place].into_iter().flatten() {

@@ -295,8 +295,10 @@ pub struct Stats {
     /// Calls that failed (timeouts included) and timeouts alone.
     pub failures: u64,
     pub timeouts: u64,
-    /// Buffers a call had to register (pin) with a transport that needs it
-    /// (verbs), the registration cache missing; and failed verbs completions.
+    /// Buffers a call had to register with a transport that needs it (pinned
+    /// for verbs; for shared memory, ranges in a `SharedBuffer`, which
+    /// receivers map), the registration cache missing; and failed verbs
+    /// completions.
     pub registrations: u64,
     pub completion_errors: u64,
 }

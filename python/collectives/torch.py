@@ -65,12 +65,9 @@ def shared_empty(*size, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     ``collectives.shared_empty``): the backend's calls read large messages
     from it with ``memcpy`` instead of a system call. Any dtype, bfloat16
     included; ``size`` as ``torch.empty`` takes it."""
-    shape = tuple(size[0]) if len(size) == 1 and not isinstance(size[0], int) else size
-    count = 1
-    for d in shape:
-        count *= d
-    raw = collectives.shared_empty(count * torch.empty(0, dtype=dtype).element_size(), "uint8")
-    return torch.from_numpy(raw).view(dtype).reshape(shape)
+    like = torch.empty(*size, dtype=dtype, device="meta")  # torch reads the size; no memory
+    raw = collectives.shared_empty(like.numel() * like.element_size(), "uint8")
+    return torch.from_numpy(raw).view(dtype).reshape(like.shape)
 
 
 def launcher_env() -> dict[str, str]:

@@ -16,7 +16,7 @@ use super::segment::{
     Desc, Help, Kind, Segment, EAGER_MAX, EAGER_MAX_ALL_IN_FLIGHT, OBSERVE, PUBLISH, SLOTS,
     SLOT_BYTES,
 };
-use super::shared_buffer::{self, Region};
+use super::shared_buffer::Region;
 use crate::{
     Connection, Direction, Error, Interest, MemRegion, Rank, Request, Requests, Result, Tag, Wake,
 };
@@ -84,7 +84,8 @@ struct Outgoing {
     /// Whether the receiver reads it from our memory (`process_vm_readv`),
     /// decided as it is posted.
     remote: bool,
-    /// The registered `SharedBuffer` it lies in, which the receiver maps.
+    /// The `SharedBuffer` it lies in (found at registration), which the
+    /// receiver maps.
     region: Option<Region>,
     /// Whether we may write it for the receiver when offered (see
     /// [`MemRegion::declines_help`]).
@@ -120,7 +121,7 @@ impl ShmConnection {
             peer_pid,
             side,
             remote_reads,
-            maps: PeerMaps::new(peer_pid),
+            maps: PeerMaps::new(peer, peer_pid),
             sends: VecDeque::new(),
             publishing: 0,
             recvs: VecDeque::new(),
@@ -509,20 +510,20 @@ impl ShmConnection {
                 (self.maps).locate(desc.region_fd, desc.region_ino, offset, len)
             })
             .flatten();
-        if let Some(src) = mapped {
+        match mapped {
             // SAFETY: `src..src + len` lies in our mapping of the sender's
             // buffer, which the sender leaves unchanged until we hand the
             // slot back (isend contract); `dst` is ours to write (irecv
             // contract) and not in that mapping.
-            unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
-            self.costs.note_read(len, start);
-            return Ok(());
+            Some(src) => unsafe { std::ptr::copy_nonoverlapping(src, dst, len) },
+            None => {
+                let addr = desc.remote as usize + self.piece_at;
+                read_remote(self.peer_pid, addr, dst, len).map_err(|e| match e.raw_os_error() {
+                    Some(libc::ESRCH) => Error::Closed { peer: self.peer },
+                    _ => Error::io(Some(self.peer), "process_vm_readv", &e),
+                })?
+            }
         }
-        let addr = desc.remote as usize + self.piece_at;
-        read_remote(self.peer_pid, addr, dst, len).map_err(|e| match e.raw_os_error() {
-            Some(libc::ESRCH) => Error::Closed { peer: self.peer },
-            _ => Error::io(Some(self.peer), "process_vm_readv", &e),
-        })?;
         self.costs.note_read(len, start);
         Ok(())
     }
@@ -758,9 +759,7 @@ impl Connection for ShmConnection {
             published: 0,
             last_slot: None,
             remote,
-            region: remote
-                .then(|| shared_buffer::region_of(data as usize, len))
-                .flatten(),
+            region: remote.then(|| region.key::<Region>().copied()).flatten(),
             helps: !region.is_declining_help(),
         });
         Ok(self.requests.post(Direction::Send))

@@ -147,8 +147,13 @@ impl Transport for ShmTransport {
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
         // Peers read our memory by address (or we copy it into the rings):
-        // nothing to register.
-        Ok(MemRegion::plain(addr, len))
+        // nothing to pin. A range in a `SharedBuffer` carries where it lies,
+        // for the receivers of its sends to map (looked up once here, not
+        // per send).
+        Ok(match shared_buffer::region_of(addr as usize, len) {
+            Some(r) => MemRegion::new(addr, len, Box::new(r)),
+            None => MemRegion::plain(addr, len),
+        })
     }
 }
 

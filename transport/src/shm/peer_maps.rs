@@ -9,11 +9,15 @@ use std::ptr::NonNull;
 use rustix::fs::{Mode, OFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
+use crate::Rank;
+
 /// Mappings kept per peer, at most: a training step's buffers are few.
 /// Beyond, the least recently used goes (and is mapped again when used).
 const KEEP: usize = 16;
 
 pub(crate) struct PeerMaps {
+    /// The peer's rank (for the log) and process.
+    peer: Rank,
     pid: i32,
     /// Most recently used first.
     maps: VecDeque<Mapped>,
@@ -33,8 +37,9 @@ struct Mapped {
 unsafe impl Send for PeerMaps {}
 
 impl PeerMaps {
-    pub fn new(pid: i32) -> Self {
+    pub fn new(peer: Rank, pid: i32) -> Self {
         PeerMaps {
+            peer,
             pid,
             maps: VecDeque::new(),
             refused: VecDeque::new(),
@@ -45,32 +50,35 @@ impl PeerMaps {
     /// `fd` (inode `ino`), mapped on first use; `None` where it cannot be
     /// mapped or the range does not fit it.
     pub fn locate(&mut self, fd: i32, ino: u64, offset: usize, len: usize) -> Option<*const u8> {
-        let at = match self.maps.iter().position(|m| m.ino == ino) {
-            Some(at) => at,
+        match self.maps.iter().position(|m| m.ino == ino) {
+            Some(0) => {}
+            Some(at) => {
+                let m = self.maps.remove(at).expect("found above");
+                self.maps.push_front(m);
+            }
             None if self.refused.contains(&ino) => return None,
             None => match map_peer(self.pid, fd, ino) {
                 Ok(m) => {
                     self.forget_freed();
                     self.maps.push_front(m);
-                    if self.maps.len() > KEEP {
-                        self.maps.pop_back();
-                    }
-                    0
+                    self.maps.truncate(KEEP);
                 }
                 Err(e) => {
-                    tracing::debug!(pid = self.pid, fd, "cannot map the peer's buffer: {e}");
+                    tracing::debug!(
+                        peer = self.peer,
+                        fd,
+                        "cannot map the peer's buffer, reading it with process_vm_readv: {e}"
+                    );
                     self.refused.push_front(ino);
                     self.refused.truncate(KEEP);
                     return None;
                 }
             },
-        };
-        let m = self.maps.remove(at).expect("found above");
+        }
+        let m = &self.maps[0];
         let fits = offset.checked_add(len).is_some_and(|end| end <= m.len);
         // SAFETY: offset < m.len when it fits: inside the mapping.
-        let ptr = fits.then(|| unsafe { m.ptr.as_ptr().add(offset) }.cast_const());
-        self.maps.push_front(m);
-        ptr
+        fits.then(|| unsafe { m.ptr.as_ptr().add(offset) }.cast_const())
     }
 
     /// Unmaps the buffers the peer freed (their descriptor is closed or

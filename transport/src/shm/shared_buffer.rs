@@ -8,8 +8,10 @@
 //! 16 MiB with `memcpy` from the peer's memory, 1415 with single-copy
 //! reads; 122 against 141 us for 1 MiB.
 //!
-//! Every buffer is listed in a process-wide registry, which a send looks up
-//! to tell the receiver where its bytes lie in which memfd.
+//! Every buffer is listed in a process-wide registry. Registering memory
+//! with the transport (`ShmTransport::register`, once per call buffer)
+//! looks it up, so that its sends tell the receiver where their bytes lie
+//! in which memfd.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
