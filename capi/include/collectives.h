@@ -104,14 +104,71 @@ typedef enum {
 } collRedOp_t;
 
 /**
+ * Which call a `collCall_t` describes (each is the function of that name).
+ */
+typedef enum {
+  collCallAllReduce = 0,
+  collCallAllToAll = 1,
+  collCallAllToAllv = 2,
+  collCallReduceScatter = 3,
+  collCallAllGather = 4,
+  collCallBroadcast = 5,
+  collCallReduce = 6,
+  collCallSend = 7,
+  collCallRecv = 8,
+  collCallBarrier = 9,
+} collCallType_t;
+
+/**
  * A communicator (opaque).
  */
 typedef struct collComm collComm;
 
 /**
+ * A started call (opaque).
+ */
+typedef struct collRequest collRequest;
+
+/**
  * A communicator handle.
  */
 typedef collComm *collComm_t;
+
+/**
+ * Any call, as the function of its type takes it (unused fields are
+ * ignored; zero them).
+ */
+typedef struct {
+  collCallType_t call;
+  const void *sendbuff;
+  void *recvbuff;
+  /**
+   * The count the call's function takes (collAllGather's `sendcount`,
+   * collReduceScatter's `recvcount`, AllToAll's count per peer, ...).
+   */
+  size_t count;
+  collDataType_t datatype;
+  /**
+   * AllReduce, ReduceScatter and Reduce's reduction.
+   */
+  collRedOp_t op;
+  /**
+   * Broadcast and Reduce's root, Send's and Recv's peer.
+   */
+  int peer;
+  /**
+   * AllToAllv's counts and displacements, `nranks` entries each.
+   */
+  const size_t *sendcounts;
+  const size_t *sdispls;
+  const size_t *recvcounts;
+  const size_t *rdispls;
+} collCall_t;
+
+/**
+ * A request handle.
+ */
+typedef collRequest *collRequest_t;
 
 /**
  * Where a job's ranks meet, made by `collGetUniqueId` on one rank and
@@ -140,9 +197,45 @@ typedef struct {
   int timeoutMs;
 } collConfig_t;
 
+/**
+ * Called once when a request's call ended, with `arg` and its result: on
+ * the thread that finished the call (a library thread, or a waiter), or at
+ * once in collRequestOnDone if it already had. It must be quick and must
+ * not call the library (wake a thread, set a flag).
+ */
+typedef void (*collRequestCallback_t)(void *arg, collResult_t result);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Starts `call` on `comm` in the background and sets `*request` to it
+ * (any communicator, blocking or not): wait for it with
+ * collRequestWait, poll it with collRequestTest, or be told with
+ * collRequestOnDone, then free it with collRequestFree. Calls started so
+ * run as every call does: collectives in the order they were started,
+ * send and receive at once. Arguments that cannot work fail here,
+ * before anything starts; everything else, a mismatch across ranks or a
+ * dead peer, is the request's result.
+ *
+ * # Safety
+ * `comm` must be a live communicator, `call` NULL or valid, its buffers
+ * valid for what its count stands for until the request is done; `request`
+ * NULL or valid for a write.
+ */
+collResult_t collStart(collComm_t comm, const collCall_t *call, collRequest_t *request);
+
+/**
+ * Runs `call` on `comm` as the function of its type would: on this thread
+ * for a blocking communicator, in the background (collInProgress) for a
+ * non-blocking one, recorded inside a group. For bindings that describe
+ * every call in one shape.
+ *
+ * # Safety
+ * As the function of the call's type.
+ */
+collResult_t collCall(collComm_t comm, const collCall_t *call);
 
 /**
  * `recvbuff[i] = op over ranks of sendbuff[i]`, `count` elements.
@@ -401,6 +494,22 @@ collResult_t collCommUserRank(collComm_t comm, int *rank);
 collResult_t collCommAbort(collComm_t comm);
 
 /**
+ * Aborts `comm` without freeing it (MPI_Comm_revoke's effect, ncclCommAbort's
+ * without the free): every call in flight on it, in any thread, and every
+ * later one fails, and the peers are told ("peer rank R aborted"). Any thread
+ * may call it at any time, even while another is inside a call;
+ * collCommDestroy frees it afterwards. For bindings whose own abort must not
+ * free what other threads may still hold (a torch backend's).
+ *
+ * `reason` (NULL: "revoked") is what the errors say.
+ *
+ * # Safety
+ * `comm` must be NULL or a live communicator; `reason` NULL or a
+ * NUL-terminated string.
+ */
+collResult_t collCommRevoke(collComm_t comm, const char *reason);
+
+/**
  * Frees `comm` (its connections close; peers that still wait on this rank
  * see it leave).
  *
@@ -467,6 +576,55 @@ collResult_t collMemAlloc(void **ptr, size_t size);
  * No call in flight may use the memory.
  */
 collResult_t collMemFree(void *ptr);
+
+/**
+ * Waits for the request's call: `timeoutMs < 0` until it ended (driving it
+ * on this thread, the fastest way), else up to that long. Returns the
+ * call's result (its message in collRequestGetError), or collInProgress
+ * if the time ran out first.
+ *
+ * # Safety
+ * `request` must be NULL or live.
+ */
+collResult_t collRequestWait(collRequest_t request, int timeoutMs);
+
+/**
+ * Whether the request's call ended: `*done` is 1 (then collRequestWait
+ * returns at once) or 0.
+ *
+ * # Safety
+ * `request` must be NULL or live; `done` NULL or valid for a write.
+ */
+collResult_t collRequestTest(collRequest_t request, int *done);
+
+/**
+ * Has `callback(arg, result)` called once the request's call ended (see
+ * collRequestCallback_t); at most one callback per request.
+ *
+ * # Safety
+ * `request` must be NULL or live; `arg` valid for whatever `callback`
+ * does with it until it is called.
+ */
+collResult_t collRequestOnDone(collRequest_t request, collRequestCallback_t callback, void *arg);
+
+/**
+ * The message of the request's failed call (naming the rank, the peer and
+ * the call), or "" while it runs or when it succeeded. Valid until the
+ * request is freed.
+ *
+ * # Safety
+ * `request` must be a live request.
+ */
+const char *collRequestGetError(collRequest_t request);
+
+/**
+ * Frees a request. A call still running goes on (its buffers must stay
+ * valid until it ended; its callback is still called).
+ *
+ * # Safety
+ * `request` must be NULL or live, and not used afterwards.
+ */
+collResult_t collRequestFree(collRequest_t request);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -1,32 +1,213 @@
-//! The calls, NCCL's arguments in NCCL's order. In place is
-//! `sendbuff == recvbuff`, with NCCL's offsets for AllGather
-//! (`sendbuff == recvbuff + rank * sendcount`) and ReduceScatter
-//! (`recvbuff == sendbuff + rank * recvcount`); the library decides it.
+//! The calls, NCCL's arguments in NCCL's order, and `collStart`, which
+//! takes any of them as one `collCall_t` (UCC's `ucc_coll_args_t` shape)
+//! and gives a request to wait on. In place is `sendbuff == recvbuff`, with
+//! NCCL's offsets for AllGather (`sendbuff == recvbuff + rank * sendcount`)
+//! and ReduceScatter (`recvbuff == sendbuff + rank * recvcount`); the
+//! library decides it.
 
 use std::ffi::{c_int, c_void};
 
 use collectives::{AsyncCommunicator, Buffers, CallArgs, Collective, DataType, VarCounts};
 
 use crate::boundary::{comm_ref, dtype, rank_arg, redop, with_comm, Failure};
+use crate::request::{self, collRequest_t};
 use crate::{collComm, collComm_t, collResult_t, group, DataTypeArg, RedOpArg};
 
-/// One call: recorded inside a group, else run (blocking communicator) or
-/// started in the background (non-blocking one: collInProgress).
+/// Which call a `collCall_t` describes (each is the function of that name).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub enum collCallType_t {
+    collCallAllReduce = 0,
+    collCallAllToAll = 1,
+    collCallAllToAllv = 2,
+    collCallReduceScatter = 3,
+    collCallAllGather = 4,
+    collCallBroadcast = 5,
+    collCallReduce = 6,
+    collCallSend = 7,
+    collCallRecv = 8,
+    collCallBarrier = 9,
+}
+
+/// A `collCallType_t` as C passes it.
+/// cbindgen:no-export
+pub type CallTypeArg = c_int;
+
+/// Any call, as the function of its type takes it (unused fields are
+/// ignored; zero them).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct collCall_t {
+    pub call: CallTypeArg,
+    pub sendbuff: *const c_void,
+    pub recvbuff: *mut c_void,
+    /// The count the call's function takes (collAllGather's `sendcount`,
+    /// collReduceScatter's `recvcount`, AllToAll's count per peer, ...).
+    pub count: usize,
+    pub datatype: DataTypeArg,
+    /// AllReduce, ReduceScatter and Reduce's reduction.
+    pub op: RedOpArg,
+    /// Broadcast and Reduce's root, Send's and Recv's peer.
+    pub peer: c_int,
+    /// AllToAllv's counts and displacements, `nranks` entries each.
+    pub sendcounts: *const usize,
+    pub sdispls: *const usize,
+    pub recvcounts: *const usize,
+    pub rdispls: *const usize,
+}
+
+impl collCall_t {
+    /// A call of type `call` on `datatype`, every other field zero.
+    const fn new(call: collCallType_t, datatype: DataTypeArg) -> Self {
+        collCall_t {
+            call: call as c_int,
+            sendbuff: std::ptr::null(),
+            recvbuff: std::ptr::null_mut(),
+            count: 0,
+            datatype,
+            op: 0,
+            peer: 0,
+            sendcounts: std::ptr::null(),
+            sdispls: std::ptr::null(),
+            recvcounts: std::ptr::null(),
+            rdispls: std::ptr::null(),
+        }
+    }
+
+    /// The library's arguments for this call on `n` ranks.
+    ///
+    /// # Safety
+    /// AllToAllv's count arrays must be valid for `n` reads each.
+    unsafe fn args(&self, n: usize) -> Result<CallArgs, Failure> {
+        use collCallType_t as T;
+        let dt = dtype(self.datatype)?;
+        let with_op = |c| Ok(CallArgs::new(c, dt).op(redop(self.op)?));
+        let with_root = |c| Ok(CallArgs::new(c, dt).root(rank_arg(self.peer, "root")?));
+        match call_type(self.call)? {
+            T::collCallAllReduce => with_op(Collective::AllReduce),
+            T::collCallReduceScatter => with_op(Collective::ReduceScatter),
+            T::collCallReduce => Ok(with_root(Collective::Reduce)?.op(redop(self.op)?)),
+            T::collCallBroadcast => with_root(Collective::Broadcast),
+            T::collCallAllToAll => Ok(CallArgs::new(Collective::AllToAll, dt)),
+            T::collCallAllGather => Ok(CallArgs::new(Collective::AllGather, dt)),
+            T::collCallBarrier => Ok(CallArgs::new(Collective::Barrier, DataType::U8)),
+            T::collCallSend => Ok(CallArgs::send_to(dt, rank_arg(self.peer, "peer")?)),
+            T::collCallRecv => Ok(CallArgs::recv_from(dt, rank_arg(self.peer, "peer")?)),
+            T::collCallAllToAllv => {
+                let list = |p: *const usize, what: &str| {
+                    if p.is_null() {
+                        return Err(Failure::invalid(format!("alltoallv: {what} is NULL")));
+                    }
+                    // SAFETY: non-null (checked); `n` entries by the caller's promise.
+                    Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+                };
+                let counts = VarCounts {
+                    send_counts: list(self.sendcounts, "sendcounts")?,
+                    send_displs: list(self.sdispls, "sdispls")?,
+                    recv_counts: list(self.recvcounts, "recvcounts")?,
+                    recv_displs: list(self.rdispls, "rdispls")?,
+                };
+                Ok(CallArgs::all_to_all_v(dt, counts))
+            }
+        }
+    }
+}
+
+fn call_type(raw: CallTypeArg) -> Result<collCallType_t, Failure> {
+    use collCallType_t as T;
+    Ok(match raw {
+        0 => T::collCallAllReduce,
+        1 => T::collCallAllToAll,
+        2 => T::collCallAllToAllv,
+        3 => T::collCallReduceScatter,
+        4 => T::collCallAllGather,
+        5 => T::collCallBroadcast,
+        6 => T::collCallReduce,
+        7 => T::collCallSend,
+        8 => T::collCallRecv,
+        9 => T::collCallBarrier,
+        _ => {
+            return Err(Failure::invalid(format!(
+                "call {raw} is not a collCallType_t"
+            )))
+        }
+    })
+}
+
+/// Starts `call` on `comm` in the background and sets `*request` to it
+/// (any communicator, blocking or not): wait for it with
+/// collRequestWait, poll it with collRequestTest, or be told with
+/// collRequestOnDone, then free it with collRequestFree. Calls started so
+/// run as every call does: collectives in the order they were started,
+/// send and receive at once. Arguments that cannot work fail here,
+/// before anything starts; everything else, a mismatch across ranks or a
+/// dead peer, is the request's result.
+///
+/// # Safety
+/// `comm` must be a live communicator, `call` NULL or valid, its buffers
+/// valid for what its count stands for until the request is done; `request`
+/// NULL or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn collStart(
+    comm: collComm_t,
+    call: *const collCall_t,
+    request: *mut collRequest_t,
+) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let Some(call) = (unsafe { call.as_ref() }) else {
+        return crate::boundary::guard(None, || Err(Failure::invalid("call is NULL")));
+    };
+    if request.is_null() {
+        return crate::boundary::guard(None, || Err(Failure::invalid("request is NULL")));
+    }
+    // SAFETY: the caller's promise.
+    unsafe { run(comm, call, Some(request)) }
+}
+
+/// Runs `call` on `comm` as the function of its type would: on this thread
+/// for a blocking communicator, in the background (collInProgress) for a
+/// non-blocking one, recorded inside a group. For bindings that describe
+/// every call in one shape.
+///
+/// # Safety
+/// As the function of the call's type.
+#[no_mangle]
+pub unsafe extern "C" fn collCall(comm: collComm_t, call: *const collCall_t) -> collResult_t {
+    // SAFETY: the caller's promise.
+    match unsafe { call.as_ref() } {
+        // SAFETY: the caller's promise.
+        Some(call) => unsafe { run(comm, call, None) },
+        None => crate::boundary::guard(None, || Err(Failure::invalid("call is NULL"))),
+    }
+}
+
+/// Runs one call: recorded inside a group; else started with a request
+/// (collStart), run (blocking communicator) or started in the background
+/// (non-blocking one: collInProgress).
 ///
 /// # Safety
 /// As every call below: buffers valid for what `count` stands for (for a
-/// non-blocking communicator, until collCommGetAsyncError says done).
-unsafe fn call(
+/// non-blocking communicator or a request, until done).
+unsafe fn run(
     comm: collComm_t,
-    args: impl FnOnce() -> Result<CallArgs, Failure>,
-    sendbuff: *const c_void,
-    recvbuff: *mut c_void,
-    count: usize,
+    call: &collCall_t,
+    request: Option<*mut collRequest_t>,
 ) -> collResult_t {
-    let (send, recv) = (sendbuff.cast::<u8>(), recvbuff.cast::<u8>());
+    // SAFETY: the caller's promise.
+    let n = unsafe { comm_ref(comm) }.map_or(0, |c| c.size as usize);
+    // SAFETY: the caller's promise (count arrays of `n` entries).
+    let args = || unsafe { call.args(n) };
+    let (send, recv) = (call.sendbuff.cast::<u8>(), call.recvbuff.cast::<u8>());
     if group::recording() {
+        if request.is_some() {
+            return crate::boundary::guard(None, || {
+                Err(Failure::invalid(
+                    "collStart inside a group: end the group first",
+                ))
+            });
+        }
         // SAFETY: the caller's promise, until collGroupEnd.
-        return unsafe { group::record(comm, args, send, recv, count) };
+        return unsafe { group::record(comm, args, send, recv, call.count) };
     }
     // SAFETY: the caller's promise.
     unsafe {
@@ -37,13 +218,18 @@ unsafe fn call(
             let workspace = Box::into_raw(Box::<Vec<u64>>::default());
             let free = |w: *mut Vec<u64>| drop(Box::from_raw(w));
             let (rank, size) = (c.rank as usize, c.size as usize);
-            let bufs = match args.nccl_buffers(rank, size, send, recv, count, &mut *workspace) {
+            let bufs = match args.nccl_buffers(rank, size, send, recv, call.count, &mut *workspace)
+            {
                 Ok(bufs) => bufs,
                 Err(m) => {
                     free(workspace);
                     return Err(Failure::invalid(format!("rank {rank}: {m}")));
                 }
             };
+            if let Some(out) = request {
+                let started = request::start(inner, args, bufs, workspace as usize);
+                return crate::boundary::put(out, "request", started);
+            }
             if c.blocking {
                 let r = inner.call_bytes(&args, bufs, &mut || {});
                 free(workspace);
@@ -91,9 +277,15 @@ pub unsafe extern "C" fn collAllReduce(
     op: RedOpArg,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || Ok(CallArgs::new(Collective::AllReduce, dtype(datatype)?).op(redop(op)?));
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count,
+        op,
+        ..collCall_t::new(collCallType_t::collCallAllReduce, datatype)
+    };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Block `j` (`count` elements) of `sendbuff` goes to rank `j`; block `j`
@@ -109,9 +301,14 @@ pub unsafe extern "C" fn collAllToAll(
     datatype: DataTypeArg,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || Ok(CallArgs::new(Collective::AllToAll, dtype(datatype)?));
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count,
+        ..collCall_t::new(collCallType_t::collCallAllToAll, datatype)
+    };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// AllToAll with a count per peer: `sendcounts[j]` elements from
@@ -134,26 +331,17 @@ pub unsafe extern "C" fn collAllToAllv(
     datatype: DataTypeArg,
     comm: collComm_t,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let n = unsafe { comm_ref(comm) }.map_or(0, |c| c.size as usize);
-    let args = || {
-        let list = |p: *const usize, what: &str| {
-            if p.is_null() {
-                return Err(Failure::invalid(format!("alltoallv: {what} is NULL")));
-            }
-            // SAFETY: non-null (checked); `nranks` entries by the caller's promise.
-            Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
-        };
-        let counts = VarCounts {
-            send_counts: list(sendcounts, "sendcounts")?,
-            send_displs: list(sdispls, "sdispls")?,
-            recv_counts: list(recvcounts, "recvcounts")?,
-            recv_displs: list(rdispls, "rdispls")?,
-        };
-        Ok(CallArgs::all_to_all_v(dtype(datatype)?, counts))
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        sendcounts,
+        sdispls,
+        recvcounts,
+        rdispls,
+        ..collCall_t::new(collCallType_t::collCallAllToAllv, datatype)
     };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, 0) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// `recvbuff` (`recvcount` elements) = block `rank` of the reduction over
@@ -170,9 +358,15 @@ pub unsafe extern "C" fn collReduceScatter(
     op: RedOpArg,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || Ok(CallArgs::new(Collective::ReduceScatter, dtype(datatype)?).op(redop(op)?));
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count: recvcount,
+        op,
+        ..collCall_t::new(collCallType_t::collCallReduceScatter, datatype)
+    };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, recvcount) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Block `j` of `recvbuff` (`sendcount` elements each) = rank `j`'s `sendbuff`.
@@ -187,9 +381,14 @@ pub unsafe extern "C" fn collAllGather(
     datatype: DataTypeArg,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || Ok(CallArgs::new(Collective::AllGather, dtype(datatype)?));
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count: sendcount,
+        ..collCall_t::new(collCallType_t::collCallAllGather, datatype)
+    };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, sendcount) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Every rank's `recvbuff` = `root`'s `sendbuff` (`sendbuff` is read on the
@@ -206,12 +405,15 @@ pub unsafe extern "C" fn collBroadcast(
     root: c_int,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || {
-        let root = rank_arg(root, "root")?;
-        Ok(CallArgs::new(Collective::Broadcast, dtype(datatype)?).root(root))
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count,
+        peer: root,
+        ..collCall_t::new(collCallType_t::collCallBroadcast, datatype)
     };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// `recvbuff[i]` on `root` = op over ranks of `sendbuff[i]` (`recvbuff` is
@@ -229,14 +431,16 @@ pub unsafe extern "C" fn collReduce(
     root: c_int,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || {
-        let root = rank_arg(root, "root")?;
-        Ok(CallArgs::new(Collective::Reduce, dtype(datatype)?)
-            .op(redop(op)?)
-            .root(root))
+    let call = collCall_t {
+        sendbuff,
+        recvbuff,
+        count,
+        op,
+        peer: root,
+        ..collCall_t::new(collCallType_t::collCallReduce, datatype)
     };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, recvbuff, count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Sends `count` elements to `peer`, whose collRecv must expect the same
@@ -253,9 +457,14 @@ pub unsafe extern "C" fn collSend(
     peer: c_int,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || Ok(CallArgs::send_to(dtype(datatype)?, rank_arg(peer, "peer")?));
+    let call = collCall_t {
+        sendbuff,
+        count,
+        peer,
+        ..collCall_t::new(collCallType_t::collCallSend, datatype)
+    };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, sendbuff, std::ptr::null_mut(), count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Receives `count` elements from `peer`.
@@ -270,14 +479,14 @@ pub unsafe extern "C" fn collRecv(
     peer: c_int,
     comm: collComm_t,
 ) -> collResult_t {
-    let args = || {
-        Ok(CallArgs::recv_from(
-            dtype(datatype)?,
-            rank_arg(peer, "peer")?,
-        ))
+    let call = collCall_t {
+        recvbuff,
+        count,
+        peer,
+        ..collCall_t::new(collCallType_t::collCallRecv, datatype)
     };
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, std::ptr::null(), recvbuff, count) }
+    unsafe { run(comm, &call, None) }
 }
 
 /// Returns once every rank of `comm` has entered it.
@@ -286,7 +495,7 @@ pub unsafe extern "C" fn collRecv(
 /// `comm` live.
 #[no_mangle]
 pub unsafe extern "C" fn collBarrier(comm: collComm_t) -> collResult_t {
-    let args = || Ok(CallArgs::new(Collective::Barrier, DataType::U8));
+    let call = collCall_t::new(collCallType_t::collCallBarrier, 1);
     // SAFETY: the caller's promise.
-    unsafe { call(comm, args, std::ptr::null(), std::ptr::null_mut(), 0) }
+    unsafe { run(comm, &call, None) }
 }

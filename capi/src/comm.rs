@@ -318,6 +318,35 @@ pub unsafe extern "C" fn collCommAbort(comm: collComm_t) -> collResult_t {
     })
 }
 
+/// Aborts `comm` without freeing it (MPI_Comm_revoke's effect, ncclCommAbort's
+/// without the free): every call in flight on it, in any thread, and every
+/// later one fails, and the peers are told ("peer rank R aborted"). Any thread
+/// may call it at any time, even while another is inside a call;
+/// collCommDestroy frees it afterwards. For bindings whose own abort must not
+/// free what other threads may still hold (a torch backend's).
+///
+/// `reason` (NULL: "revoked") is what the errors say.
+///
+/// # Safety
+/// `comm` must be NULL or a live communicator; `reason` NULL or a
+/// NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn collCommRevoke(comm: collComm_t, reason: *const c_char) -> collResult_t {
+    // SAFETY: the caller's promise.
+    let Some(c) = (unsafe { comm_ref(comm) }) else {
+        return collResult_t::collSuccess;
+    };
+    guard(Some(c), || {
+        let why = match reason.is_null() {
+            true => "revoked".into(),
+            // SAFETY: non-null (checked), NUL-terminated by the caller's promise.
+            false => unsafe { std::ffi::CStr::from_ptr(reason) }.to_string_lossy(),
+        };
+        c.abort.abort(&format!("rank {}: {why}", c.rank));
+        Ok(())
+    })
+}
+
 /// Frees `comm` (its connections close; peers that still wait on this rank
 /// see it leave).
 ///

@@ -13,6 +13,7 @@ mod calls;
 mod comm;
 mod group;
 mod memory;
+mod request;
 
 use std::ffi::{c_char, c_int};
 use std::sync::Mutex;
@@ -23,6 +24,7 @@ pub use calls::*;
 pub use comm::*;
 pub use group::*;
 pub use memory::*;
+pub use request::*;
 
 /// Result of every call.
 #[repr(C)]

@@ -10,6 +10,9 @@ mod group;
 mod handle;
 mod memory;
 
+// The C ABI, exported from this module for the torch backend's C++.
+use collectives_c as _;
+
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 

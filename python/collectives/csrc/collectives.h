@@ -1,0 +1,1 @@
+../../../capi/include/collectives.h
