@@ -98,6 +98,20 @@ def test_torch_backend(launcher, n):
     assert_ranks_ok(r, n, f"torch backend, {n} ranks under {launcher}")
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_torch_stack_matches_gloo(n):
+    """Functional collectives (eager and Inductor), DTensor, tensor and
+    sequence parallel, 2-D meshes (4 ranks), FSDP2, FSDP1 and pipelining, each
+    run on our backend and on Gloo in one job and compared."""
+    _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
+    sections = ["funcol", "dtensor", "fsdp", "pipeline"] + (["mesh2d"] if n == 4 else [])
+    r = launch("torchrun", n, RANKS / "torch_stack.py", *sections)
+    for section in sections:
+        for rank in range(n):
+            assert re.search(rf"^ok {section} {rank}$", r.stdout, re.M), f"{section} on rank {rank}\n{r.stdout}\n{r.stderr}"
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
 def _outcomes(r) -> dict:
     """rank -> (exception class, seconds, message) from errors.py's lines."""
     found = {}

@@ -78,6 +78,11 @@ void checkTensor(const at::Tensor& t, const char* call) {
       t.layout(),
       " tensor: the collectives backend takes dense tensors only");
   TORCH_CHECK_VALUE(
+      t.numel() == 0 || (t.has_storage() && t.data_ptr() != nullptr),
+      where(call),
+      "the tensor has no memory of its own (a tensor subclass such as ",
+      "AsyncCollectiveTensor: wait for it first)");
+  TORCH_CHECK_VALUE(
       t.is_contiguous(),
       where(call),
       "the tensor is not contiguous (sizes ",
