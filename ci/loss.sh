@@ -134,7 +134,7 @@ for r in 0 1; do
   p=$((1 - r))
   if grep -E "^collbench: rank $r: .*retries exhausted: no acknowledgement from peer rank $p" "$out/rank$r.log" >/dev/null; then
     exhausted=$((exhausted + 1))
-  elif ! grep -E "^collbench: rank $r: .*(timed out .* peer rank $p .*root cause: rank $p did not answer|peer rank $p closed the connection)" "$out/rank$r.log" >/dev/null; then
+  elif ! grep -E "^collbench: rank $r: .*(Timed out waiting .* peer rank $p .*root cause: rank $p did not answer|Connection closed by peer rank $p)" "$out/rank$r.log" >/dev/null; then
     tail -n 5 "$out/rank$r.log"
     echo "loss.sh: rank $r failed without naming rank $p as unreachable" >&2
     exit 1

@@ -21,8 +21,10 @@ pub enum Error {
         message: String,
     },
 
-    /// The peer closed the connection without a word: its process exited or was killed.
-    #[error("peer rank {peer} closed the connection (its process exited or was killed)")]
+    /// The peer closed the connection without a word: its process exited or
+    /// was killed. (Gloo's phrase, "Connection closed by peer", which torch's
+    /// and torchft's tooling match.)
+    #[error("Connection closed by peer rank {peer} (its process exited or was killed)")]
     Closed { peer: Rank },
 
     /// The peer gave up on the operation and said why.
@@ -33,8 +35,9 @@ pub enum Error {
     #[error("connection to peer rank {peer} was aborted: {reason}")]
     Aborted { peer: Rank, reason: String },
 
-    /// Nothing arrived from the peer before the deadline.
-    #[error("timed out after {:.1}s waiting for peer rank {peer} ({waiting_for})", waited.as_secs_f64())]
+    /// Nothing arrived from the peer before the deadline. (Gloo's phrase,
+    /// "Timed out waiting", which torch's and torchft's tooling match.)
+    #[error("Timed out waiting {:.1}s for peer rank {peer} ({waiting_for})", waited.as_secs_f64())]
     Timeout {
         peer: Rank,
         waited: Duration,

@@ -366,24 +366,38 @@ class WorkCollectives : public c10d::Work {
 
   void synchronize() override {}
 
+  // A timeout of the call's own (a torch option such as barrier's
+  // `timeout=`), and how to end what is in flight when it expires.
+  void setTimeout(std::chrono::milliseconds timeout, std::function<void(const std::string&)> revoke) {
+    timeout_ = timeout;
+    revoke_ = std::move(revoke);
+  }
+
   // Waits for every request (driving them on this thread: the fastest
-  // way), or up to `timeout`; throws the first failure.
+  // way), or up to `timeout` (else the call's own); throws the first
+  // failure. A call that runs out of time takes its process group down
+  // with it, as NCCL's watchdog does: the ranks it waits for never came,
+  // and torch's callers expect to destroy or rebuild the group then.
   bool wait(std::chrono::milliseconds timeout) override {
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    const auto limit = timeout.count() > 0 ? timeout : timeout_;
+    const auto deadline = std::chrono::steady_clock::now() + limit;
     for (auto r : requests_) {
       int ms = -1;
-      if (timeout != kNoTimeout) {
+      if (limit.count() > 0) {
         const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
             deadline - std::chrono::steady_clock::now());
         ms = static_cast<int>(std::max<int64_t>(0, left.count()));
       }
       if (collRequestWait(r, ms) == collInProgress) {
-        raise(
-            collTimeout,
-            "collectives backend: Timed out waiting " +
-                std::to_string(timeout.count()) + "ms for " +
-                c10d::opTypeToString(retrieveOpType()) +
-                " (the call goes on; the process group's timeout still applies)");
+        const std::string what = "Timed out waiting " + std::to_string(limit.count()) + "ms for " +
+            c10d::opTypeToString(retrieveOpType()) + " (rank " + std::to_string(rank_) + ")";
+        if (revoke_) {
+          revoke_(what);
+        }
+        for (auto q : requests_) {
+          collRequestWait(q, -1); // ended at once by the revoke
+        }
+        raise(collTimeout, "collectives backend: " + what + "; the process group was aborted");
       }
     }
     settle();
@@ -488,6 +502,8 @@ class WorkCollectives : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   std::function<void()> then_;
   int source_;
+  std::chrono::milliseconds timeout_{0};
+  std::function<void(const std::string&)> revoke_;
   std::mutex settleMutex_;
   bool settled_ = false;
   std::mutex futureMutex_;
@@ -496,6 +512,22 @@ class WorkCollectives : public c10d::Work {
 };
 
 // ---- the backend ----
+
+// Calls that make up one torch call, what they use, and the copies
+// that finish it.
+struct Plan {
+  std::vector<collCall_t> calls;
+  std::vector<at::Tensor> keep;
+  std::function<void()> then;
+};
+
+// How torch wants a call run: waited for at once or not, and its own
+// timeout (unset: the group's).
+struct How {
+  bool async = true;
+  std::chrono::milliseconds timeout{-1};
+};
+
 
 class BackendCollectives : public c10d::Backend {
  public:
@@ -552,7 +584,7 @@ class BackendCollectives : public c10d::Backend {
     auto& t = one(tensors, "allreduce");
     const auto r = reducing(t, opts.reduceOp, "allreduce");
     premultiply(opts.reduceOp, t);
-    return start(OpType::ALLREDUCE, "collectives:all_reduce", {{reduce(collCallAllReduce, t, r)}, tensors}, tensors, opts.asyncOp);
+    return start(OpType::ALLREDUCE, "collectives:all_reduce", {{reduce(collCallAllReduce, t, r)}, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -565,7 +597,7 @@ class BackendCollectives : public c10d::Backend {
       premultiply(opts.reduceOp, t);
       calls.push_back(reduce(collCallAllReduce, t, r));
     }
-    return start(OpType::ALLREDUCE_COALESCED, "collectives:all_reduce_coalesced", {calls, tensors}, tensors, opts.asyncOp);
+    return start(OpType::ALLREDUCE_COALESCED, "collectives:all_reduce_coalesced", {calls, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(
@@ -574,7 +606,7 @@ class BackendCollectives : public c10d::Backend {
     auto& t = one(tensors, "broadcast");
     auto c = moving(collCallBroadcast, t, t, "broadcast");
     c.peer = rootOf(opts.rootRank, opts.rootTensor, "broadcast");
-    return start(OpType::BROADCAST, "collectives:broadcast", {{c}, tensors}, tensors, opts.asyncOp);
+    return start(OpType::BROADCAST, "collectives:broadcast", {{c}, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(
@@ -585,7 +617,7 @@ class BackendCollectives : public c10d::Backend {
     premultiply(opts.reduceOp, t);
     auto c = reduce(collCallReduce, t, r);
     c.peer = rootOf(opts.rootRank, opts.rootTensor, "reduce");
-    return start(OpType::REDUCE, "collectives:reduce", {{c}, tensors}, tensors, opts.asyncOp);
+    return start(OpType::REDUCE, "collectives:reduce", {{c}, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(
@@ -594,7 +626,7 @@ class BackendCollectives : public c10d::Backend {
       const c10d::AllgatherOptions& opts) override {
     auto& in = one(inputs, "allgather");
     auto plan = gatherInto(oneList(outputs, "allgather"), in);
-    return start(OpType::ALLGATHER, "collectives:all_gather", plan, outputs[0], opts.asyncOp);
+    return start(OpType::ALLGATHER, "collectives:all_gather", plan, outputs[0], how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(
@@ -605,7 +637,7 @@ class BackendCollectives : public c10d::Backend {
     checkTensor(input, "all_gather_into_tensor");
     sameType(output, input, "all_gather_into_tensor");
     auto c = moving(collCallAllGather, input, output, "all_gather_into_tensor");
-    return start(OpType::_ALLGATHER_BASE, "collectives:all_gather_into_tensor", {{c}, {input, output}}, {output}, opts.asyncOp);
+    return start(OpType::_ALLGATHER_BASE, "collectives:all_gather_into_tensor", {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
@@ -635,7 +667,7 @@ class BackendCollectives : public c10d::Backend {
         t();
       }
     };
-    return start(OpType::ALLGATHER_COALESCED, "collectives:all_gather_coalesced", all, flatten(outputs), opts.asyncOp);
+    return start(OpType::ALLGATHER_COALESCED, "collectives:all_gather_coalesced", all, flatten(outputs), how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
@@ -652,7 +684,7 @@ class BackendCollectives : public c10d::Backend {
         "collectives:all_gather_into_tensor_coalesced",
         {calls, concat(inputs, outputs)},
         outputs,
-        opts.asyncOp);
+        how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter(
@@ -676,7 +708,7 @@ class BackendCollectives : public c10d::Backend {
     auto packed = at::cat(flatAll(ins));
     premultiply(opts.reduceOp, packed);
     auto c = reduceScatter(packed, out, opts.reduceOp, "reduce_scatter");
-    return start(OpType::REDUCE_SCATTER, "collectives:reduce_scatter", {{c}, {packed, out}}, outputs, opts.asyncOp);
+    return start(OpType::REDUCE_SCATTER, "collectives:reduce_scatter", {{c}, {packed, out}}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -686,7 +718,7 @@ class BackendCollectives : public c10d::Backend {
     checkTensor(input, "reduce_scatter_tensor");
     premultiply(opts.reduceOp, input);
     auto c = reduceScatter(input, output, opts.reduceOp, "reduce_scatter_tensor");
-    return start(OpType::_REDUCE_SCATTER_BASE, "collectives:reduce_scatter_tensor", {{c}, {input, output}}, {output}, opts.asyncOp);
+    return start(OpType::_REDUCE_SCATTER_BASE, "collectives:reduce_scatter_tensor", {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -703,7 +735,7 @@ class BackendCollectives : public c10d::Backend {
         "collectives:reduce_scatter_tensor_coalesced",
         {calls, concat(inputs, outputs)},
         outputs,
-        opts.asyncOp);
+        how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall_base(
@@ -726,13 +758,13 @@ class BackendCollectives : public c10d::Backend {
           " ranks");
       auto c = moving(collCallAllToAll, input, output, "all_to_all_single");
       c.count /= size_;
-      return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, opts.asyncOp);
+      return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, how(opts));
     }
     Blocks v;
     v.fill(input, inputSplits, size_, v.sendCounts, v.sendDispls, "all_to_all_single input");
     v.fill(output, outputSplits, size_, v.recvCounts, v.recvDispls, "all_to_all_single output");
     auto c = v.call(input, output, "all_to_all_single");
-    return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, opts.asyncOp);
+    return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(
@@ -757,7 +789,7 @@ class BackendCollectives : public c10d::Backend {
     v.packed(outputs, v.recvCounts, v.recvDispls);
     auto c = v.call(send, recv, "all_to_all");
     auto outs = outputs;
-    return start(OpType::ALLTOALL, "collectives:all_to_all", {{c}, {send, recv}, [recv, outs] { unpack(recv, outs); }}, outputs, opts.asyncOp);
+    return start(OpType::ALLTOALL, "collectives:all_to_all", {{c}, {send, recv}, [recv, outs] { unpack(recv, outs); }}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> gather(
@@ -783,7 +815,7 @@ class BackendCollectives : public c10d::Backend {
       v.packed(outs, v.recvCounts, v.recvDispls);
     }
     auto c = v.call(flatIn, recv, "gather");
-    return start(OpType::GATHER, "collectives:gather", {{c}, {flatIn, recv}, [recv, outs] { unpack(recv, outs); }}, outs, opts.asyncOp);
+    return start(OpType::GATHER, "collectives:gather", {{c}, {flatIn, recv}, [recv, outs] { unpack(recv, outs); }}, outs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(
@@ -810,11 +842,11 @@ class BackendCollectives : public c10d::Backend {
     v.recvCounts[root] = out.numel();
     auto flatOut = out.view(-1);
     auto c = v.call(send, flatOut, "scatter");
-    return start(OpType::SCATTER, "collectives:scatter", {{c}, {send, out}}, outputs, opts.asyncOp);
+    return start(OpType::SCATTER, "collectives:scatter", {{c}, {send, out}}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return start(OpType::BARRIER, "collectives:barrier", {{callOf(collCallBarrier)}}, {}, opts.asyncOp);
+    return start(OpType::BARRIER, "collectives:barrier", {{callOf(collCallBarrier)}}, {}, how(opts));
   }
 
   // ---- point-to-point ----
@@ -911,9 +943,14 @@ class BackendCollectives : public c10d::Backend {
   // Ends every call in flight, in any thread, and every later one; the
   // peers are told. The communicator is freed at shutdown.
   void abort() override {
+    revoke("rank " + std::to_string(rank_) + " aborted its process group");
+  }
+
+  // Ends every call in flight here and every later one; the peers are told
+  // `why`.
+  void revoke(const std::string& why) {
     std::shared_lock<std::shared_mutex> g(lock_);
     if (comm_ != nullptr) {
-      const std::string why = "rank " + std::to_string(rank_) + " aborted its process group";
       collCommRevoke(comm_, why.c_str());
     }
   }
@@ -1000,13 +1037,11 @@ class BackendCollectives : public c10d::Backend {
     std::vector<size_t> sendCounts, sendDispls, recvCounts, recvDispls;
   };
 
-  // Calls that make up one torch call, what they use, and the copies
-  // that finish it.
-  struct Plan {
-    std::vector<collCall_t> calls;
-    std::vector<at::Tensor> keep;
-    std::function<void()> then;
-  };
+
+  template <class O>
+  static How how(const O& opts) {
+    return {opts.asyncOp, opts.timeout};
+  }
 
   static void check(collResult_t r, collComm_t comm, const char* what) {
     if (r != collSuccess) {
@@ -1183,14 +1218,24 @@ class BackendCollectives : public c10d::Backend {
       const char* title,
       Plan plan,
       std::vector<at::Tensor> outputs,
-      bool async = true) {
+      How how = {}) {
     auto w = c10::make_intrusive<WorkCollectives>(
         rank_, type, title, std::move(plan.keep), std::move(outputs), std::move(plan.then));
+    const bool here = !how.async && how.timeout.count() <= 0;
+    if (how.timeout.count() > 0) {
+      auto self = c10::weak_intrusive_ptr<BackendCollectives>(
+          c10::intrusive_ptr<BackendCollectives>::reclaim_copy(this));
+      w->setTimeout(how.timeout, [self](const std::string& why) {
+        if (auto b = self.lock()) {
+          b->revoke(why);
+        }
+      });
+    }
     std::shared_lock<std::shared_mutex> g(lock_);
     const collComm_t comm = live();
     const auto what = [type] { return c10d::opTypeToString(type); };
     for (const auto& c : plan.calls) {
-      if (!async) {
+      if (here) {
         check(collCall(comm, &c), comm, what().c_str());
         continue;
       }

@@ -282,7 +282,7 @@ SECTIONS = {
     "fsdp": fsdp_section,
     "pipeline": pipeline_section,
 }
-for name in sys.argv[1:] or list(SECTIONS):
+for name in sys.argv[1:] or [s for s in SECTIONS if s != "mesh2d" or n == 4]:
     before = len(failures)
     SECTIONS[name]()
     dist.barrier()
