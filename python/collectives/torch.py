@@ -37,6 +37,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -87,18 +88,28 @@ def extension():
             digest.update(part)
         cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "collectives" / "torch-ext"
         build = Path(os.environ.get("COLL_TORCH_EXT_DIR") or cache) / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
-        build.mkdir(parents=True, exist_ok=True)
-        _extension = load(
-            name="collectives_torch",
-            sources=[str(_CSRC / "backend.cpp")],
-            extra_include_paths=[str(_CSRC)],
-            extra_cflags=["-O2"],
-            # The C ABI from the package's own extension module: one library
-            # in the process.
-            extra_ldflags=[str(native), f"-Wl,-rpath,{native.parent}"],
-            build_directory=str(build),
-            verbose=bool(os.environ.get("COLL_TORCH_EXT_VERBOSE")),
-        )
+        built = build / "collectives_torch.so"
+        if built.exists() and not (build / "lock").exists():
+            # Built for exactly this (see the digest), and no rank is
+            # building it now (torch's lock): no compiler, no ninja.
+            from torch.utils.cpp_extension import _import_module_from_library
+
+            _extension = _import_module_from_library("collectives_torch", str(build), True)
+        else:
+            build.mkdir(parents=True, exist_ok=True)
+            # torch runs ninja from PATH: the one beside this interpreter.
+            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+            _extension = load(
+                name="collectives_torch",
+                sources=[str(_CSRC / "backend.cpp")],
+                extra_include_paths=[str(_CSRC)],
+                extra_cflags=["-O2"],
+                # The C ABI from the package's own extension module: one
+                # library in the process.
+                extra_ldflags=[str(native), f"-Wl,-rpath,{native.parent}"],
+                build_directory=str(build),
+                verbose=bool(os.environ.get("COLL_TORCH_EXT_VERBOSE")),
+            )
         atexit.register(_extension._stop_completer)
     return _extension
 

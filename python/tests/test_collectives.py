@@ -112,6 +112,23 @@ def test_torch_stack_matches_gloo(n):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_torchrec_dlrm_trains_like_gloo(n):
+    """TorchRec's DistributedModelParallel of a DLRM (table-wise,
+    column-wise, table-column-wise and data-parallel tables) on our backend
+    and on Gloo in one job: losses equal step by step, final weights too.
+    TorchRec's CPU kernels need torch 2.14.1: its own virtual environment
+    (ci/python.sh makes it; COLL_TORCHREC_PYTHON names its interpreter)."""
+    python = os.environ.get("COLL_TORCHREC_PYTHON")
+    _need("TorchRec's environment (COLL_TORCHREC_PYTHON)", bool(python) and Path(python).exists(), "COLL_REQUIRE_TORCH")
+    port = str(_free_port())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLL_SOCKET_IFNAME": "lo", "COLL_TIMEOUT": "60"}
+    cmd = [python, "-m", "torch.distributed.run", f"--nproc-per-node={n}", f"--master-port={port}",
+           str(EXAMPLES / "dlrm_train.py"), "--steps", "30"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert "dlrm ok" in r.stdout and r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+
 def _outcomes(r) -> dict:
     """rank -> (exception class, seconds, message) from errors.py's lines."""
     found = {}
