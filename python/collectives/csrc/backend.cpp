@@ -293,11 +293,12 @@ class WorkCollectives : public c10d::Work {
       int rank,
       OpType type,
       const char* title,
+      const std::vector<at::Tensor>& inputs,
       std::vector<at::Tensor> keep,
       std::vector<at::Tensor> outputs,
       std::function<void()> then,
       int source = -1)
-      : Work(rank, type, title, std::optional<std::vector<at::Tensor>>(keep)),
+      : Work(rank, type, title, std::optional<std::vector<at::Tensor>>(inputs)),
         keep_(std::move(keep)),
         outputs_(std::move(outputs)),
         then_(std::move(then)),
@@ -581,10 +582,133 @@ class BackendCollectives : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> allreduce(
       std::vector<at::Tensor>& tensors,
       const c10d::AllreduceOptions& opts) override {
+    if (tensors.size() == 1 && tensors[0].is_sparse()) {
+      return allreduce_sparse(tensors, opts);
+    }
     auto& t = one(tensors, "allreduce");
     const auto r = reducing(t, opts.reduceOp, "allreduce");
     premultiply(opts.reduceOp, t);
-    return start(OpType::ALLREDUCE, "collectives:all_reduce", {{reduce(collCallAllReduce, t, r)}, tensors}, tensors, how(opts));
+    return start(OpType::ALLREDUCE, "collectives:all_reduce", tensors, {{reduce(collCallAllReduce, t, r)}, tensors}, tensors, how(opts));
+  }
+
+  // A sparse (COO) tensor's sum, as Gloo computes it: every rank's
+  // indices and values gathered (AllGather of the counts, then AllToAllv),
+  // summed by coalescing; the tensor takes the result. Runs here, at once.
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(
+      std::vector<at::Tensor>& tensors,
+      const c10d::AllreduceOptions& opts) override {
+    TORCH_CHECK_VALUE(tensors.size() == 1, where("allreduce_sparse"), "one tensor per call");
+    auto& t = tensors[0];
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.layout() == c10::kSparse, where("allreduce_sparse"),
+                      "a sparse COO CPU tensor, not ", t.layout(), " on ", t.device());
+    TORCH_CHECK_VALUE(opts.reduceOp.op_ == c10d::ReduceOp::SUM, where("allreduce_sparse"), "sparse tensors reduce by SUM only");
+    auto in = t.coalesce();
+    auto indices = in._indices().t().contiguous(); // one row per nonzero
+    auto values = in._values().contiguous();
+    auto counts = at::empty({size_}, at::kLong);
+    auto mine = at::full({1}, indices.size(0), at::kLong);
+    runHere(moving(collCallAllGather, mine, counts, "allreduce_sparse"), "allreduce_sparse");
+    auto all = at::sparse_coo_tensor(gatherRows(indices, counts).t(), gatherRows(values, counts), t.sizes());
+    t.copy_(all.coalesce());
+    return start(OpType::_ALLREDUCE_SPARSE, "collectives:all_reduce_sparse", tensors, {}, tensors);
+  }
+
+  // Every rank's `rows` (leading dim `counts[r]` on rank r), one after
+  // another in rank order.
+  at::Tensor gatherRows(const at::Tensor& rows, const at::Tensor& counts) {
+    auto shape = rows.sizes().vec();
+    const int64_t row = c10::multiply_integers(shape.begin() + 1, shape.end());
+    shape[0] = counts.sum().item<int64_t>();
+    auto out = at::empty(shape, rows.options());
+    Blocks v(size_);
+    v.sendCounts.assign(size_, static_cast<size_t>(rows.numel()));
+    const auto* c = counts.data_ptr<int64_t>();
+    for (int r = 0, at = 0; r < size_; at += c[r] * row, ++r) {
+      v.recvCounts[r] = static_cast<size_t>(c[r] * row);
+      v.recvDispls[r] = static_cast<size_t>(at);
+    }
+    runHere(v.call(rows, out, "allreduce_sparse"), "allreduce_sparse");
+    return out;
+  }
+
+  // Gloo's monitored barrier: every rank checks in with rank 0, which
+  // waits up to the timeout for each and names the ranks that did not
+  // come (the first, or with `waitAllRanks` all of them), then lets the
+  // others go. A failure aborts the group, whose calls would wait for those
+  // ranks too.
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool waitAllRanks) override {
+    using namespace std::chrono;
+    const auto timeout = opts.timeout == c10d::kUnsetTimeout ? options_->timeout : opts.timeout;
+    const auto began = steady_clock::now();
+    auto token = [] { return at::zeros({1}, at::kByte); };
+    std::vector<at::Tensor> tokens;
+    auto post = [&](collCallType_t type, int peer) {
+      tokens.push_back(token());
+      auto c = moving(type, tokens.back(), tokens.back(), "monitored_barrier");
+      c.peer = peer;
+      std::shared_lock<std::shared_mutex> g(lock_);
+      collRequest_t r = nullptr;
+      check(collStart(live(), &c, &r), comm_, "monitored_barrier");
+      return r;
+    };
+    auto fail = [&](std::vector<collRequest_t>& rs, const std::string& why) {
+      revoke(why);
+      for (auto r : rs) {
+        collRequestWait(r, -1);
+        collRequestFree(r);
+      }
+      TORCH_CHECK(false, why);
+    };
+    if (rank_ != 0) {
+      std::vector<collRequest_t> rs{post(collCallSend, 0), post(collCallRecv, 0)};
+      for (auto r : rs) {
+        const auto code = collRequestWait(r, static_cast<int>(std::max<int64_t>(0, timeout.count())));
+        if (code != collSuccess) {
+          fail(rs, "Rank " + std::to_string(rank_) + " successfully reached monitoredBarrier, but received errors "
+               "while waiting for send/recv from rank 0. Please check rank 0 logs for faulty rank. (" +
+               (code == collInProgress ? "Timed out waiting " + std::to_string(timeout.count()) + "ms" : std::string(collRequestGetError(r))) + ")");
+        }
+      }
+      for (auto r : rs) {
+        collRequestFree(r);
+      }
+      return;
+    }
+    // One rank at a time, as Gloo: a rank 0 out of time has nothing in
+    // flight to abort.
+    std::vector<collRequest_t> rs;
+    std::vector<int> passed, failed;
+    for (int r = 1; r < size_; ++r) {
+      auto left = waitAllRanks ? timeout : timeout - duration_cast<milliseconds>(steady_clock::now() - began);
+      if (!waitAllRanks && left.count() <= 0) {
+        for (auto q : rs) {
+          collRequestFree(q);
+        }
+        TORCH_CHECK(false, "Rank 0 timed out in monitoredBarrier after ", timeout.count(),
+                    " ms. Successfully processed ranks: ", join(passed));
+      }
+      rs.push_back(post(collCallRecv, r));
+      if (collRequestWait(rs.back(), static_cast<int>(left.count())) == collSuccess) {
+        passed.push_back(r);
+        continue;
+      }
+      failed.push_back(r);
+      if (!waitAllRanks) {
+        fail(rs, "[Rank 0]: Rank " + std::to_string(r) + " failed to pass monitoredBarrier in " +
+             std::to_string(timeout.count()) + " ms");
+      }
+    }
+    if (!failed.empty()) {
+      fail(rs, "[Rank 0]: Ranks " + join(failed) + " failed to pass monitoredBarrier in " +
+           std::to_string(timeout.count()) + " ms");
+    }
+    for (int r = 1; r < size_; ++r) {
+      rs.push_back(post(collCallSend, r));
+    }
+    for (auto r : rs) {
+      collRequestWait(r, -1);
+      collRequestFree(r);
+    }
   }
 
   c10::intrusive_ptr<c10d::Work> allreduce_coalesced(
@@ -597,7 +721,7 @@ class BackendCollectives : public c10d::Backend {
       premultiply(opts.reduceOp, t);
       calls.push_back(reduce(collCallAllReduce, t, r));
     }
-    return start(OpType::ALLREDUCE_COALESCED, "collectives:all_reduce_coalesced", {calls, tensors}, tensors, how(opts));
+    return start(OpType::ALLREDUCE_COALESCED, "collectives:all_reduce_coalesced", tensors, {calls, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> broadcast(
@@ -606,7 +730,7 @@ class BackendCollectives : public c10d::Backend {
     auto& t = one(tensors, "broadcast");
     auto c = moving(collCallBroadcast, t, t, "broadcast");
     c.peer = rootOf(opts.rootRank, opts.rootTensor, "broadcast");
-    return start(OpType::BROADCAST, "collectives:broadcast", {{c}, tensors}, tensors, how(opts));
+    return start(OpType::BROADCAST, "collectives:broadcast", tensors, {{c}, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce(
@@ -617,7 +741,7 @@ class BackendCollectives : public c10d::Backend {
     premultiply(opts.reduceOp, t);
     auto c = reduce(collCallReduce, t, r);
     c.peer = rootOf(opts.rootRank, opts.rootTensor, "reduce");
-    return start(OpType::REDUCE, "collectives:reduce", {{c}, tensors}, tensors, how(opts));
+    return start(OpType::REDUCE, "collectives:reduce", tensors, {{c}, tensors}, tensors, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather(
@@ -626,7 +750,7 @@ class BackendCollectives : public c10d::Backend {
       const c10d::AllgatherOptions& opts) override {
     auto& in = one(inputs, "allgather");
     auto plan = gatherInto(oneList(outputs, "allgather"), in);
-    return start(OpType::ALLGATHER, "collectives:all_gather", plan, outputs[0], how(opts));
+    return start(OpType::ALLGATHER, "collectives:all_gather", inputs, plan, outputs[0], how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(
@@ -637,25 +761,32 @@ class BackendCollectives : public c10d::Backend {
     checkTensor(input, "all_gather_into_tensor");
     sameType(output, input, "all_gather_into_tensor");
     auto c = moving(collCallAllGather, input, output, "all_gather_into_tensor");
-    return start(OpType::_ALLGATHER_BASE, "collectives:all_gather_into_tensor", {{c}, {input, output}}, {output}, how(opts));
+    return start(OpType::_ALLGATHER_BASE, "collectives:all_gather_into_tensor", {input}, {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_coalesced(
       std::vector<std::vector<at::Tensor>>& outputs,
       std::vector<at::Tensor>& inputs,
       const c10d::AllgatherOptions& opts) override {
+    // outputs[r][i] is rank r's inputs[i].
     TORCH_CHECK_VALUE(
-        outputs.size() == inputs.size(),
+        static_cast<int>(outputs.size()) == size_,
         where("allgather_coalesced"),
         outputs.size(),
         " output lists for ",
-        inputs.size(),
-        " inputs");
+        size_,
+        " ranks");
     Plan all;
     std::vector<std::function<void()>> thens;
     for (size_t i = 0; i < inputs.size(); ++i) {
       checkTensor(inputs[i], "allgather_coalesced");
-      auto plan = gatherInto(outputs[i], inputs[i]);
+      std::vector<at::Tensor> outs;
+      for (auto& list : outputs) {
+        TORCH_CHECK_VALUE(list.size() == inputs.size(), where("allgather_coalesced"), "an output list of ",
+                          list.size(), " tensors for ", inputs.size(), " inputs");
+        outs.push_back(list[i]);
+      }
+      auto plan = gatherInto(outs, inputs[i]);
       all.calls.insert(all.calls.end(), plan.calls.begin(), plan.calls.end());
       all.keep.insert(all.keep.end(), plan.keep.begin(), plan.keep.end());
       if (plan.then) {
@@ -667,7 +798,7 @@ class BackendCollectives : public c10d::Backend {
         t();
       }
     };
-    return start(OpType::ALLGATHER_COALESCED, "collectives:all_gather_coalesced", all, flatten(outputs), how(opts));
+    return start(OpType::ALLGATHER_COALESCED, "collectives:all_gather_coalesced", inputs, all, flatten(outputs), how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(
@@ -682,6 +813,7 @@ class BackendCollectives : public c10d::Backend {
     return start(
         OpType::ALLGATHER_INTO_TENSOR_COALESCED,
         "collectives:all_gather_into_tensor_coalesced",
+        inputs,
         {calls, concat(inputs, outputs)},
         outputs,
         how(opts));
@@ -708,7 +840,7 @@ class BackendCollectives : public c10d::Backend {
     auto packed = at::cat(flatAll(ins));
     premultiply(opts.reduceOp, packed);
     auto c = reduceScatter(packed, out, opts.reduceOp, "reduce_scatter");
-    return start(OpType::REDUCE_SCATTER, "collectives:reduce_scatter", {{c}, {packed, out}}, outputs, how(opts));
+    return start(OpType::REDUCE_SCATTER, "collectives:reduce_scatter", inputs[0], {{c}, {packed, out}}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(
@@ -718,7 +850,7 @@ class BackendCollectives : public c10d::Backend {
     checkTensor(input, "reduce_scatter_tensor");
     premultiply(opts.reduceOp, input);
     auto c = reduceScatter(input, output, opts.reduceOp, "reduce_scatter_tensor");
-    return start(OpType::_REDUCE_SCATTER_BASE, "collectives:reduce_scatter_tensor", {{c}, {input, output}}, {output}, how(opts));
+    return start(OpType::_REDUCE_SCATTER_BASE, "collectives:reduce_scatter_tensor", {input}, {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(
@@ -733,6 +865,7 @@ class BackendCollectives : public c10d::Backend {
     return start(
         OpType::REDUCE_SCATTER_TENSOR_COALESCED,
         "collectives:reduce_scatter_tensor_coalesced",
+        inputs,
         {calls, concat(inputs, outputs)},
         outputs,
         how(opts));
@@ -758,13 +891,13 @@ class BackendCollectives : public c10d::Backend {
           " ranks");
       auto c = moving(collCallAllToAll, input, output, "all_to_all_single");
       c.count /= size_;
-      return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, how(opts));
+      return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {input}, {{c}, {input, output}}, {output}, how(opts));
     }
     Blocks v;
     v.fill(input, inputSplits, size_, v.sendCounts, v.sendDispls, "all_to_all_single input");
     v.fill(output, outputSplits, size_, v.recvCounts, v.recvDispls, "all_to_all_single output");
     auto c = v.call(input, output, "all_to_all_single");
-    return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {{c}, {input, output}}, {output}, how(opts));
+    return start(OpType::ALLTOALL_BASE, "collectives:all_to_all", {input}, {{c}, {input, output}}, {output}, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> alltoall(
@@ -789,7 +922,7 @@ class BackendCollectives : public c10d::Backend {
     v.packed(outputs, v.recvCounts, v.recvDispls);
     auto c = v.call(send, recv, "all_to_all");
     auto outs = outputs;
-    return start(OpType::ALLTOALL, "collectives:all_to_all", {{c}, {send, recv}, [recv, outs] { unpack(recv, outs); }}, outputs, how(opts));
+    return start(OpType::ALLTOALL, "collectives:all_to_all", inputs, {{c}, {send, recv}, [recv, outs] { unpack(recv, outs); }}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> gather(
@@ -815,7 +948,7 @@ class BackendCollectives : public c10d::Backend {
       v.packed(outs, v.recvCounts, v.recvDispls);
     }
     auto c = v.call(flatIn, recv, "gather");
-    return start(OpType::GATHER, "collectives:gather", {{c}, {flatIn, recv}, [recv, outs] { unpack(recv, outs); }}, outs, how(opts));
+    return start(OpType::GATHER, "collectives:gather", inputs, {{c}, {flatIn, recv}, [recv, outs] { unpack(recv, outs); }}, outs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> scatter(
@@ -842,11 +975,11 @@ class BackendCollectives : public c10d::Backend {
     v.recvCounts[root] = out.numel();
     auto flatOut = out.view(-1);
     auto c = v.call(send, flatOut, "scatter");
-    return start(OpType::SCATTER, "collectives:scatter", {{c}, {send, out}}, outputs, how(opts));
+    return start(OpType::SCATTER, "collectives:scatter", inputs.empty() ? std::vector<at::Tensor>{} : inputs[0], {{c}, {send, out}}, outputs, how(opts));
   }
 
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
-    return start(OpType::BARRIER, "collectives:barrier", {{callOf(collCallBarrier)}}, {}, how(opts));
+    return start(OpType::BARRIER, "collectives:barrier", {}, {{callOf(collCallBarrier)}}, {}, how(opts));
   }
 
   // ---- point-to-point ----
@@ -856,7 +989,7 @@ class BackendCollectives : public c10d::Backend {
     auto c = moving(collCallSend, t, t, "send");
     c.recvbuff = nullptr;
     c.peer = dst;
-    return start(OpType::SEND, "collectives:send", {{c}, tensors}, tensors);
+    return start(OpType::SEND, "collectives:send", tensors, {{c}, tensors}, tensors);
   }
 
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
@@ -864,7 +997,7 @@ class BackendCollectives : public c10d::Backend {
     auto c = moving(collCallRecv, t, t, "recv");
     c.sendbuff = nullptr;
     c.peer = src;
-    auto w = start(OpType::RECV, "collectives:recv", {{c}, tensors}, tensors);
+    auto w = start(OpType::RECV, "collectives:recv", tensors, {{c}, tensors}, tensors);
     w->setSource(src);
     return w;
   }
@@ -1049,6 +1182,20 @@ class BackendCollectives : public c10d::Backend {
     }
   }
 
+  // Runs `c` on this thread, to its end.
+  void runHere(const collCall_t& c, const char* what) {
+    std::shared_lock<std::shared_mutex> g(lock_);
+    check(collCall(live(), &c), comm_, what);
+  }
+
+  static std::string join(const std::vector<int>& v) {
+    std::string s;
+    for (size_t i = 0; i < v.size(); ++i) {
+      s += (i ? ", " : "") + std::to_string(v[i]);
+    }
+    return s;
+  }
+
   // The communicator, unless shut down (lock_ held).
   collComm_t live() const {
     TORCH_CHECK(comm_ != nullptr, "collectives backend: the process group was shut down");
@@ -1216,11 +1363,12 @@ class BackendCollectives : public c10d::Backend {
   c10::intrusive_ptr<WorkCollectives> start(
       OpType type,
       const char* title,
+      const std::vector<at::Tensor>& inputs,
       Plan plan,
       std::vector<at::Tensor> outputs,
       How how = {}) {
     auto w = c10::make_intrusive<WorkCollectives>(
-        rank_, type, title, std::move(plan.keep), std::move(outputs), std::move(plan.then));
+        rank_, type, title, inputs, std::move(plan.keep), std::move(outputs), std::move(plan.then));
     const bool here = !how.async && how.timeout.count() <= 0;
     if (how.timeout.count() > 0) {
       auto self = c10::weak_intrusive_ptr<BackendCollectives>(
