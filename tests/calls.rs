@@ -101,7 +101,10 @@ fn abort_from_another_thread_ends_the_blocked_call_and_tells_the_peers() {
         for rank in [1, 2] {
             let l = line(rank);
             assert!(
-                l.contains("Remote") && l.contains("aborted: stopped by the test's watchdog"),
+                l.contains("Remote")
+                    && l.contains(
+                        "aborted (Connection closed by peer): stopped by the test's watchdog"
+                    ),
                 "{l}"
             );
         }

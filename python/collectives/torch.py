@@ -38,6 +38,7 @@ import atexit
 import hashlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -71,6 +72,7 @@ def launcher_env() -> dict[str, str]:
 
 _CSRC = Path(__file__).parent / "csrc"
 _extension = None
+_extension_lock = threading.Lock()  # process groups are made from several threads (torchft)
 
 
 def extension():
@@ -78,40 +80,47 @@ def extension():
     sources, the C header, torch's version and the library's path name the
     cache entry, so a change to any rebuilds it)."""
     global _extension
-    if _extension is None:
-        from torch.utils.cpp_extension import load
-
-        native = Path(collectives._native.__file__).resolve()
-        sources = [_CSRC / "backend.cpp", _CSRC / "collectives.h"]
-        digest = hashlib.sha256()
-        for part in [*(p.read_bytes() for p in sources), torch.__version__.encode(), str(native).encode()]:
-            digest.update(part)
-        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "collectives" / "torch-ext"
-        build = Path(os.environ.get("COLL_TORCH_EXT_DIR") or cache) / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
-        built = build / "collectives_torch.so"
-        if built.exists() and not (build / "lock").exists():
-            # Built for exactly this (see the digest), and no rank is
-            # building it now (torch's lock): no compiler, no ninja.
-            from torch.utils.cpp_extension import _import_module_from_library
-
-            _extension = _import_module_from_library("collectives_torch", str(build), True)
-        else:
-            build.mkdir(parents=True, exist_ok=True)
-            # torch runs ninja from PATH: the one beside this interpreter.
-            os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
-            _extension = load(
-                name="collectives_torch",
-                sources=[str(_CSRC / "backend.cpp")],
-                extra_include_paths=[str(_CSRC)],
-                extra_cflags=["-O2"],
-                # The C ABI from the package's own extension module: one
-                # library in the process.
-                extra_ldflags=[str(native), f"-Wl,-rpath,{native.parent}"],
-                build_directory=str(build),
-                verbose=bool(os.environ.get("COLL_TORCH_EXT_VERBOSE")),
-            )
-        atexit.register(_extension._stop_completer)
+    with _extension_lock:
+        if _extension is None:
+            _extension = _load()
     return _extension
+
+
+def _load():
+    """Imports the backend built for this torch, building it first if needed."""
+    from torch.utils.cpp_extension import load
+
+    native = Path(collectives._native.__file__).resolve()
+    sources = [_CSRC / "backend.cpp", _CSRC / "collectives.h"]
+    digest = hashlib.sha256()
+    for part in [*(p.read_bytes() for p in sources), torch.__version__.encode(), str(native).encode()]:
+        digest.update(part)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "collectives" / "torch-ext"
+    build = Path(os.environ.get("COLL_TORCH_EXT_DIR") or cache) / f"torch-{torch.__version__}-{digest.hexdigest()[:16]}"
+    built = build / "collectives_torch.so"
+    if built.exists() and not (build / "lock").exists():
+        # Built for exactly this (see the digest), and no rank is
+        # building it now (torch's lock): no compiler, no ninja.
+        from torch.utils.cpp_extension import _import_module_from_library
+
+        module = _import_module_from_library("collectives_torch", str(build), True)
+    else:
+        build.mkdir(parents=True, exist_ok=True)
+        # torch runs ninja from PATH: the one beside this interpreter.
+        os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+        module = load(
+            name="collectives_torch",
+            sources=[str(_CSRC / "backend.cpp")],
+            extra_include_paths=[str(_CSRC)],
+            extra_cflags=["-O2"],
+            # The C ABI from the package's own extension module: one
+            # library in the process.
+            extra_ldflags=[str(native), f"-Wl,-rpath,{native.parent}"],
+            build_directory=str(build),
+            verbose=bool(os.environ.get("COLL_TORCH_EXT_VERBOSE")),
+        )
+    atexit.register(module._stop_completer)
+    return module
 
 
 def __getattr__(name: str):

@@ -28,7 +28,8 @@ pub enum Error {
     Closed { peer: Rank },
 
     /// The peer gave up on the operation and said why.
-    #[error("peer rank {peer} aborted: {reason}")]
+    /// (Its connections close as it leaves: Gloo's phrase for that too.)
+    #[error("peer rank {peer} aborted (Connection closed by peer): {reason}")]
     PeerAborted { peer: Rank, reason: String },
 
     /// We gave up on the connection ourselves (see [`crate::Connection::abort`]).

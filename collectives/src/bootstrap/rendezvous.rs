@@ -135,7 +135,7 @@ impl Server {
                 let size = size.unwrap_or(0);
                 let missing: Vec<Rank> = (0..size).filter(|r| joined[*r].is_none()).collect();
                 let reason = format!(
-                    "rank(s) {missing:?} of {size} did not reach the rendezvous at {} in time \
+                    "Timed out waiting: rank(s) {missing:?} of {size} did not reach the rendezvous at {} in time \
                      (did they start? do MASTER_ADDR/MASTER_PORT match?)",
                     self.addr
                 );
@@ -269,7 +269,7 @@ pub fn join(
         }),
         Ok(Reply::Refused { reason }) => Err(format!("the rendezvous at {addr} refused the job: {reason}")),
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Err(format!(
-            "not every rank reached the rendezvous at {addr} in time (started all {size}? same MASTER_ADDR/MASTER_PORT?)"
+            "Timed out waiting: not every rank reached the rendezvous at {addr} in time (started all {size}? same MASTER_ADDR/MASTER_PORT?)"
         )),
         Err(e) => Err(format!("rendezvous at {addr}: {e}")),
     }

@@ -415,18 +415,19 @@ class WorkCollectives : public c10d::Work {
       future_ = c10::make_intrusive<c10::ivalue::Future>(
           c10::ListType::create(c10::TensorType::get()));
       pending_ = static_cast<int>(requests_.size());
-      if (pending_ == 0) {
-        completeFuture();
-      }
       // Each callback holds a reference: the Work outlives its calls.
       for (auto r : requests_) {
         auto self = c10::intrusive_ptr<WorkCollectives>::reclaim_copy(this);
         whenDone(r, [self] {
           if (--self->pending_ == 0) {
             self->settle();
+            std::lock_guard<std::mutex> g(self->futureMutex_);
+            self->completeFuture();
           }
         });
       }
+      // Done already (waited for, or run at once): complete it now.
+      completeFuture();
     }
     return future_;
   }
@@ -1083,6 +1084,7 @@ class BackendCollectives : public c10d::Backend {
   // `why`.
   void revoke(const std::string& why) {
     std::shared_lock<std::shared_mutex> g(lock_);
+    revoked_ = true;
     if (comm_ != nullptr) {
       collCommRevoke(comm_, why.c_str());
     }
@@ -1094,6 +1096,10 @@ class BackendCollectives : public c10d::Backend {
       collCommDestroy(comm_);
       comm_ = nullptr;
     }
+  }
+
+  c10d::ErrorType getError() override {
+    return revoked_ ? c10d::ErrorType::COMM_ERROR : c10d::ErrorType::SUCCESS;
   }
 
   uint64_t getSequenceNumberForGroup() override {
@@ -1400,23 +1406,56 @@ class BackendCollectives : public c10d::Backend {
   mutable std::shared_mutex lock_;
   c10::intrusive_ptr<Options> options_;
   std::atomic<uint64_t> seq_{0};
+  std::atomic<bool> revoked_{false};
+};
+
+// The Python object's hold on a backend, which lets go of the GIL first:
+// the last reference ends the communicator, which waits for its peers and
+// its progress thread (torch holds its own backends the same way).
+template <typename T>
+class HeldWithoutGil {
+ public:
+  HeldWithoutGil() = default;
+  HeldWithoutGil(c10::intrusive_ptr<T> p) : p_(std::move(p)) {}
+  // pybind builds holders from new objects this way (pybind11 issue 2957).
+  explicit HeldWithoutGil(T* p) : p_(c10::intrusive_ptr<T>::unsafe_steal_from_new(p)) {}
+  HeldWithoutGil(const HeldWithoutGil&) = default;
+  HeldWithoutGil(HeldWithoutGil&&) noexcept = default;
+  HeldWithoutGil& operator=(const HeldWithoutGil&) = default;
+  HeldWithoutGil& operator=(HeldWithoutGil&&) noexcept = default;
+  ~HeldWithoutGil() {
+    if (p_ && PyGILState_Check()) {
+      py::gil_scoped_release nogil;
+      p_.reset();
+    }
+  }
+  T* get() const {
+    return p_.get();
+  }
+
+ private:
+  c10::intrusive_ptr<T> p_;
 };
 
 } // namespace collectives_torch
 
+PYBIND11_DECLARE_HOLDER_TYPE(T, collectives_torch::HeldWithoutGil<T>, true)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace collectives_torch;
   m.doc() = "The collectives backend of torch.distributed (a c10d::Backend over the C ABI)";
-  py::class_<BackendCollectives, c10d::Backend, c10::intrusive_ptr<BackendCollectives>>(m, "BackendCollectives")
+  py::class_<BackendCollectives, c10d::Backend, HeldWithoutGil<BackendCollectives>>(m, "BackendCollectives")
       .def(
+          // The GIL goes only around the joining: pybind records the new
+          // object in its tables after, and that needs the GIL.
           py::init([](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
+            py::gil_scoped_release nogil;
             return BackendCollectives::create(store, rank, size, timeout);
           }),
           py::arg("store"),
           py::arg("rank"),
           py::arg("size"),
-          py::arg("timeout"),
-          py::call_guard<py::gil_scoped_release>())
+          py::arg("timeout"))
       .def(
           "failed_ranks",
           &BackendCollectives::failedRanks,
