@@ -62,6 +62,13 @@ class CollectivesManagerIntegTest(integ.ManagerIntegTest):
     def setUp(self) -> None:
         if "torchcomms" in self._testMethodName:
             self.skipTest("torchcomms is another stack")
+        if self._testMethodName == "test_ddp_skip_init_sync":
+            # Its replicas are threads that seed the one global RNG under a
+            # lock to build equal models, but draw their batches from it
+            # without the lock: a replica that starts its first step while
+            # the other builds its model changes that model (1 run in ~40
+            # here; the weights then differ by far more than round-off).
+            self.skipTest("racy in torchft: model init shares the RNG with the other replica's batches")
         p = patch.object(integ, "ProcessGroupGloo", ProcessGroupCollectives)
         p.start()
         self.addCleanup(p.stop)
