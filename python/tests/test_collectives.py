@@ -129,6 +129,22 @@ def test_torchrec_dlrm_trains_like_gloo(n):
     assert "dlrm ok" in r.stdout and r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
 
 
+def test_torch_backend_errors():
+    """Bad arguments are ValueErrors naming the call (the group stays
+    usable); ranks that disagree, a call's timeout and a dead peer fail
+    with the rank, the peer, the call and Gloo's phrases, at once."""
+    _need("torch", _torch_ok(), "COLL_REQUIRE_TORCH")
+    r = launch("torchrun", 3, RANKS / "torch_errors.py", env={"COLL_TIMEOUT": "30"})
+    lines = [l for l in r.stdout.splitlines() if l.startswith("rank ")]
+    bad = [l for l in lines if ": ok" not in l and "after" not in l]
+    assert not bad and len(lines) >= 25, r.stdout + r.stderr
+    for rank in range(3):
+        assert f"done {rank}" in r.stdout, r.stdout + r.stderr
+    for rank in (0, 1):
+        seconds = float(re.search(rf"^rank {rank}: noticed the dead peer after ([\d.]+) s$", r.stdout, re.M)[1])
+        assert seconds < 5, r.stdout
+
+
 def _outcomes(r) -> dict:
     """rank -> (exception class, seconds, message) from errors.py's lines."""
     found = {}

@@ -143,6 +143,19 @@ std::pair<collDataType_t, size_t> asBytes(const at::Tensor& t, const char* call)
   return {dataType(t, call), static_cast<size_t>(t.numel())};
 }
 
+const char* redOpName(c10d::ReduceOp::RedOpType op) {
+  switch (op) {
+    case c10d::ReduceOp::BAND:
+      return "BAND";
+    case c10d::ReduceOp::BOR:
+      return "BOR";
+    case c10d::ReduceOp::BXOR:
+      return "BXOR";
+    default:
+      return "(unknown)";
+  }
+}
+
 // The library's reduction for torch's. Bool reduces as uint8 with max/min
 // for sum/product (logical or/and, as NCCL does); complex sums as pairs of
 // reals.
@@ -166,7 +179,7 @@ collRedOp_t reduction(const c10d::ReduceOp& op, const at::Tensor& t, const char*
           false,
           where(call),
           "the collectives backend has no reduction ",
-          c10d::ReduceOp::RedOpType(op.op_),
+          redOpName(op.op_),
           " (it has SUM, PRODUCT, MIN, MAX, AVG, PREMUL_SUM)");
   }
 }
