@@ -6,8 +6,10 @@
  * kind (the communicator stays usable), groups (AllToAll as grouped
  * send/recv, a 256 MiB ring exchange, fused AllReduces, a departed peer
  * reported at collGroupEnd), a non-blocking communicator polled with
- * collCommGetAsyncError, and an abort from another thread while a call is
- * blocked. Prints "capi ok" on success. */
+ * collCommGetAsyncError, any call as a collCall_t (collCall, and collStart
+ * with requests: polled, waited for, with a callback, revoked), and an
+ * abort from another thread while a call is blocked. Prints "capi ok" on
+ * success. */
 #include <math.h>
 #include <mpi.h>
 #include <pthread.h>
@@ -544,6 +546,121 @@ static void test_nonblocking(void) {
   CHECK(NULL, collCommDestroy(nb));
 }
 
+/* ---- any call as a collCall_t, started with a request ---- */
+
+static volatile int done_flag;
+static volatile collResult_t done_result = collInProgress;
+
+static void on_done(void *arg, collResult_t result) {
+  done_result = result;
+  done_flag = *(int *)arg;
+}
+
+static void test_requests(collComm_t comm) {
+  /* A 16 MiB AllReduce started with a request: polled while computing,
+   * told by a callback, waited for. */
+  size_t count = 4 << 20;
+  float *x = malloc(count * sizeof(float));
+  for (size_t i = 0; i < count; i++) x[i] = (float)(rank + 1);
+  collCall_t call = {0};
+  call.call = collCallAllReduce;
+  call.sendbuff = x;
+  call.recvbuff = x;
+  call.count = count;
+  call.datatype = collFloat32;
+  call.op = collSum;
+  collRequest_t req = NULL;
+  CHECK(comm, collStart(comm, &call, &req));
+  int tag = 7;
+  done_flag = 0;
+  CHECK(comm, collRequestOnDone(req, on_done, &tag));
+  EXPECT(collRequestOnDone(req, on_done, &tag) == collInvalidArgument, "a second callback was taken");
+  int done = 0;
+  long polls = 0;
+  do {
+    CHECK(comm, collRequestTest(req, &done));
+    polls++;
+  } while (!done);
+  EXPECT(collRequestWait(req, -1) == collSuccess, "request: %s", collRequestGetError(req));
+  EXPECT(done_flag == 7 && done_result == collSuccess, "callback: %d, %s", done_flag, collGetErrorString(done_result));
+  EXPECT(strcmp(collRequestGetError(req), "") == 0, "error of a success: %s", collRequestGetError(req));
+  float want = (float)(nranks * (nranks + 1) / 2);
+  EXPECT(x[0] == want && x[count - 1] == want, "started allreduce: %g, expected %g", x[0], want);
+  CHECK(comm, collRequestFree(req));
+
+  /* A ring of send and receive started together completes at any size. */
+  size_t big = 8 << 20;
+  unsigned char *out = malloc(big), *in = malloc(big);
+  memset(out, rank + 1, big);
+  collCall_t send = {0}, recv = {0};
+  send.call = collCallSend;
+  send.sendbuff = out;
+  send.count = big;
+  send.datatype = collUint8;
+  send.peer = (rank + 1) % nranks;
+  recv.call = collCallRecv;
+  recv.recvbuff = in;
+  recv.count = big;
+  recv.datatype = collUint8;
+  recv.peer = (rank + nranks - 1) % nranks;
+  collRequest_t rs, rr;
+  CHECK(comm, collStart(comm, &send, &rs));
+  CHECK(comm, collStart(comm, &recv, &rr));
+  EXPECT(collRequestWait(rr, -1) == collSuccess && collRequestWait(rs, -1) == collSuccess, "ring");
+  EXPECT(in[0] == (unsigned char)((rank + nranks - 1) % nranks + 1) && in[big - 1] == in[0], "ring got %d", in[0]);
+  CHECK(comm, collRequestFree(rs));
+  CHECK(comm, collRequestFree(rr));
+  free(out);
+  free(in);
+
+  /* collCall runs any call in place of its function. */
+  float mine[2] = {(float)rank, (float)rank}, all[2 * 64];
+  collCall_t gather = {0};
+  gather.call = collCallAllGather;
+  gather.sendbuff = mine;
+  gather.recvbuff = all;
+  gather.count = 2;
+  gather.datatype = collFloat32;
+  CHECK(comm, collCall(comm, &gather));
+  for (int r = 0; r < nranks; r++) EXPECT(all[2 * r] == r && all[2 * r + 1] == r, "collCall allgather block %d: %g", r, all[2 * r]);
+
+  /* Bad calls fail before anything starts. */
+  collCall_t bad = gather;
+  bad.call = 42;
+  expect_invalid(comm, collStart(comm, &bad, &req), "collStart of call type 42");
+  expect_invalid(comm, collStart(comm, &gather, NULL), "collStart without a request");
+  expect_invalid(comm, collCall(comm, NULL), "collCall of NULL");
+
+  /* A request on a call that cannot finish: not done within its time, then
+   * ended by collCommRevoke (on a child, so comm stays whole); the peer hears. */
+  collComm_t child;
+  CHECK(comm, collCommSplit(comm, rank < 2 ? 0 : COLL_SPLIT_NOCOLOR, rank, &child));
+  char byte;
+  collCall_t lone = {0};
+  lone.call = collCallRecv;
+  lone.recvbuff = &byte;
+  lone.count = 1;
+  lone.datatype = collUint8;
+  lone.peer = 1 - rank;
+  collRequest_t r1 = NULL;
+  if (rank < 2) {
+    CHECK(child, collStart(child, &lone, &r1));
+    EXPECT(collRequestWait(r1, 50) == collInProgress, "a receive nobody sends finished");
+  }
+  MPI_Barrier(MPI_COMM_WORLD); /* both have waited before rank 0 revokes */
+  if (rank < 2) {
+    if (rank == 0) CHECK(child, collCommRevoke(child, "revoked by the test"));
+    collResult_t got = collRequestWait(r1, -1);
+    const char *why = collRequestGetError(r1);
+    EXPECT(got == (rank == 0 ? collInvalidUsage : collRemoteError) && strstr(why, "revoked by the test"),
+           "after the revoke: %s: %s", collGetErrorString(got), why);
+    CHECK(child, collRequestFree(r1));
+    CHECK(NULL, collCommDestroy(child));
+  }
+  free(x);
+  CHECK(comm, collBarrier(comm));
+}
+
 /* ---- a rank leaves: agree on who failed, shrink, go on ---- */
 
 static void test_shrink(collComm_t comm) {
@@ -625,6 +742,7 @@ int main(int argc, char **argv) {
   test_split(comm);
   test_groups(comm);
   test_nonblocking();
+  test_requests(comm);
   test_bad_arguments(comm);
   test_shrink(comm);
   test_abort(comm);
