@@ -19,7 +19,7 @@
  *            buffer, as ours reads into a 1 MiB staging slot.
  *
  * Buffers are on transparent huge pages, as collbench's and our staging.
- * On the Intel Xeon VM (ci/measurements.md), 16 MiB: direct 1136-1180 us,
+ * On the Intel Xeon VM (docs/measurements.md), 16 MiB: direct 1136-1180 us,
  * staged 1396, pieces 1156-1162, cma 1468-1525, cma-pcs 1267-1279; built
  * for AVX2 only (-mavx2, as our reduction kernels), cma-pcs 1332. Another
  * day: cma-pcs 1370-1375, cma-slot 1513-1619 (the 1 MiB buffer's lines
