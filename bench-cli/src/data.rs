@@ -306,7 +306,7 @@ fn differs<T: Value>(got: T, want: T, n: usize) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use collectives::reduce;
+    use collectives::call::reduce;
 
     /// The closed forms agree with actually reducing every rank's input.
     #[test]

@@ -249,7 +249,7 @@ fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool, String> {
     let mut comm =
         Communicator::init(boot, config(collective, args)?).map_err(|e| e.to_string())?;
     preflight::check_rank(collective, args, comm.size(), comm.config())?;
-    let algo = match comm.config().forced_algo(collective) {
+    let algo = match collectives::select::forced_algo(comm.config(), collective) {
         Some(_) => {
             comm.algorithm(collective, 0)
                 .map_err(|e| e.to_string())?

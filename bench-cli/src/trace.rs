@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use collectives::status::{verdict as verdict_of, Position, RankState};
+use collectives::observe::status::{verdict as verdict_of, Position, RankState};
 use serde_json::Value;
 
 /// One rank's latest dump.

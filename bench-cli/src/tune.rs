@@ -6,7 +6,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 
-use collectives::tuning::{self, Entry, Profile};
+use collectives::select::tuning::{self, Entry, Profile};
 use collectives::{algo, Collective, Communicator};
 
 use crate::bench::{human_bytes, Bench};

@@ -4,7 +4,7 @@
 //!
 //! cargo bench -p collectives --bench reduce
 
-use collectives::reduce::{reduce_into, reduce_to};
+use collectives::call::reduce::{reduce_into, reduce_to};
 use collectives::{DataType, ReduceOp};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 

@@ -4,7 +4,6 @@ use std::time::Duration;
 
 use transport::shm::ShmOptions;
 
-use crate::Collective;
 use transport::tcp::TcpOptions;
 
 /// Settings of a communicator. `Config::from_env()` starts from the defaults
@@ -110,10 +109,9 @@ impl Config {
         }
         if self.tiny_bytes > MAX_TINY {
             return Err(format!(
-                "COLL_TINY (tiny_bytes) {} is above 1M: its flag path would keep {} MiB of \
-                 shared memory per rank, which every rank of the host maps",
-                self.tiny_bytes,
-                crate::tiny::segment_bytes(self.tiny_bytes) >> 20
+                "COLL_TINY (tiny_bytes) {} is above 1M: its flag path keeps several times \
+                 that in shared memory per rank, which every rank of the host maps",
+                self.tiny_bytes
             ));
         }
         if self.timeout.is_zero() {
@@ -153,20 +151,6 @@ impl Config {
                 "the verbs transport was forced, but a rank has no usable RDMA device (or a build without the verbs feature)".into(),
             ),
         }
-    }
-
-    /// The algorithm forced for `collective`, if any.
-    /// A bare name (`ring`) applies to the collectives that have an
-    /// algorithm of that name; `allreduce=ring` to that collective only,
-    /// where an unknown name is an error when the collective runs.
-    pub fn forced_algo(&self, collective: Collective) -> Option<&str> {
-        self.algo
-            .iter()
-            .rev()
-            .find(|(c, a)| {
-                c == collective.name() || (c == "*" && crate::algo::find(collective, a).is_some())
-            })
-            .map(|(_, a)| a.as_str())
     }
 }
 
@@ -244,20 +228,5 @@ mod tests {
         assert!(at(MAX_TINY).validate().is_ok());
         let e = at(MAX_TINY + 1).validate().unwrap_err();
         assert!(e.contains("above 1M"), "{e}");
-    }
-
-    #[test]
-    fn algo_overrides() {
-        let c = Config {
-            algo: parse_algo("ring, alltoall=pairwise"),
-            ..Config::default()
-        };
-        assert_eq!(c.forced_algo(Collective::AllReduce), Some("ring"));
-        assert_eq!(c.forced_algo(Collective::AllToAll), Some("pairwise"));
-        assert_eq!(
-            c.forced_algo(Collective::Barrier),
-            None,
-            "no barrier is called ring"
-        );
     }
 }

@@ -4,7 +4,7 @@
 
 use transport::Rank;
 
-use crate::descriptor::CallDesc;
+use crate::call::descriptor::CallDesc;
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 

@@ -11,8 +11,8 @@ use proptest::prelude::*;
 
 use crate::bootstrap::rendezvous::{self, Join, Reply};
 use crate::bootstrap::{meet, pmi, UniqueId};
-use crate::descriptor::CallDesc;
-use crate::status;
+use crate::call::descriptor::CallDesc;
+use crate::observe::status;
 
 /// A length-prefixed message: any prefix (`None`: the body's own length)
 /// followed by any body, or JSON-looking bytes.

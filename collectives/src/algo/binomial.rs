@@ -7,7 +7,7 @@
 //! children's chunks in a fixed order.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span};
+use crate::algo::schedule::{Buf, Schedule, Span};
 use crate::Collective;
 
 pub(super) const BROADCAST: Algorithm = Algorithm {

@@ -25,7 +25,7 @@
 //! the last of the round before is done.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Action, Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Action, Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLTOALL: Algorithm = Algorithm {

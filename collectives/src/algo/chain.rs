@@ -6,7 +6,7 @@
 //! chain: bandwidth-optimal for large messages, n-1 hops of latency.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule};
+use crate::algo::schedule::{Buf, Schedule};
 use crate::Collective;
 
 pub(super) const BROADCAST: Algorithm = Algorithm {

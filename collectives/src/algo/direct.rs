@@ -26,7 +26,7 @@
 //! (`Schedule::sender_writes`), so two cores copy where one did.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Action, Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Action, Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {

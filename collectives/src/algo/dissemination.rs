@@ -3,7 +3,7 @@
 //! not, from every other.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span};
+use crate::algo::schedule::{Buf, Schedule, Span};
 use crate::Collective;
 
 pub(super) const BARRIER: Algorithm = Algorithm {

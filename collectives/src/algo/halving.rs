@@ -25,7 +25,7 @@
 //! sending (n-1)/n of the buffer. Other rank counts take the ring.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {

@@ -15,10 +15,10 @@
 use super::ring::{self, Contribution, Ring, Source};
 use super::tree;
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Buf, Schedule, Span, StepId};
 use crate::Collective;
 
-pub(super) const ALLREDUCE: Algorithm = Algorithm {
+pub(crate) const ALLREDUCE: Algorithm = Algorithm {
     name: "hierarchical",
     collective: Collective::AllReduce,
     summary: "reduce-scatter within each host, ring AllReduce of each slice across hosts, all-gather within; for several hosts",
@@ -102,7 +102,7 @@ fn build(l: &Layout, s: &mut Schedule) {
 /// (2 log2(H) hops) rather than a ring (2(H-1) steps). By the simulator (8
 /// ranks per host, 400 Gb/s), the ring took over from slices of 16-32 KiB
 /// on 8 hosts, 128-512 KiB on 64, 0.5-2 MiB on 512.
-pub(super) const TREE_SLICE_BYTES_PER_HOST: usize = 4 << 10;
+pub(crate) const TREE_SLICE_BYTES_PER_HOST: usize = 4 << 10;
 
 /// Phase 2 for small slices: the slice reduced up a binary tree over the
 /// ranks of `across` and broadcast back down, chunk by chunk; returns the

@@ -2,6 +2,10 @@
 //! table that the selector, `Config::algo` / `COLL_ALGO` and `collbench
 //! --algo` all read. An algorithm only builds a [`Schedule`]; it never sees a
 //! transport.
+//!
+//! Owns: the algorithms and the [`schedule`] format they build (steps,
+//! spans, `after` edges). May not touch: transports, the executor, the
+//! communicator; an algorithm is a pure function of the call's shape.
 
 mod binomial;
 mod bruck;
@@ -9,16 +13,15 @@ mod chain;
 mod direct;
 mod dissemination;
 mod halving;
-mod hierarchical;
+pub(crate) mod hierarchical;
 mod p2p;
 mod pairwise;
-#[cfg(test)]
-mod replay;
 mod ring;
+pub(crate) mod schedule;
 mod tree;
 
-use crate::args::{Peer, VarCounts};
-use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Buf, Schedule, Span, StepId};
+use crate::call::args::{Peer, VarCounts};
 use crate::{CallDesc, Collective};
 
 /// The schedule of a point-to-point call (not a selectable algorithm).

@@ -5,8 +5,8 @@
 //! expects another count or datatype than the send gets a named error.
 
 use super::Layout;
-use crate::args::Peer;
-use crate::schedule::{Buf, Schedule, Span};
+use crate::algo::schedule::{Buf, Schedule, Span};
+use crate::call::args::Peer;
 
 pub(super) fn build(l: &Layout, s: &mut Schedule) {
     let len = l.count * l.elem;

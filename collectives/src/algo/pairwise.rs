@@ -8,7 +8,7 @@
 //! block they overwrite has been sent, always has its partner's receive ready.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span};
+use crate::algo::schedule::{Buf, Schedule, Span};
 use crate::{CallDesc, Collective};
 
 pub(super) const ALLTOALL: Algorithm = Algorithm {

@@ -13,7 +13,7 @@
 //! Each rank sends (n-1)/n of the range per phase: bandwidth-optimal.
 
 use super::{copy_all, Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span, StepId};
+use crate::algo::schedule::{Buf, Schedule, Span, StepId};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {

@@ -16,7 +16,7 @@
 //! times: for small messages where each message costs a context switch.
 
 use super::{Algorithm, Layout};
-use crate::schedule::{Buf, Schedule, Span};
+use crate::algo::schedule::{Buf, Schedule, Span};
 use crate::Collective;
 
 pub(super) const ALLREDUCE: Algorithm = Algorithm {

@@ -29,10 +29,18 @@
 //!    named after the job (Open MPI's namespace, Slurm's job and step, or
 //!    the launcher's pid that all local ranks share as parent);
 //! 5. otherwise it is an error that says to set `MASTER_ADDR`/`MASTER_PORT`.
+//!
+//! Also here: which host a rank is on and its cores (`host`, `cpus`), and
+//! the `mesh` of connections the rendezvous leads to.
+//!
+//! Owns: finding the ranks and connecting them. May not touch: calls,
+//! schedules, the communicator (which calls in to set itself up).
 
+pub(crate) mod cpus;
 pub mod host;
 pub mod launch;
 pub(crate) mod meet;
+pub(crate) mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi;
 pub(crate) mod pmi;

@@ -20,7 +20,7 @@ pub struct PeerInfo {
     /// Ranks with equal host ids share a machine (see [`super::host`]).
     pub host_id: String,
     pub pid: u32,
-    /// The cores its host gives the job (see [`crate::cpus::host_cores`]).
+    /// The cores its host gives the job (see [`crate::bootstrap::host::cores`]).
     pub cores: usize,
     /// Transport name to hex-encoded address blob.
     pub addresses: BTreeMap<String, String>,
@@ -38,7 +38,7 @@ impl PeerInfo {
             hostname,
             host_id,
             pid: std::process::id(),
-            cores: crate::cpus::host_cores(),
+            cores: crate::bootstrap::host::cores(),
             addresses,
             settings,
         }

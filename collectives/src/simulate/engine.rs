@@ -17,8 +17,9 @@ use transport::{Rank, Tag};
 
 use super::agenda::Agenda;
 use super::model::{Cluster, Link, Ports};
-use crate::executor::{prefetch, Effects, Execution, Progress, Source};
-use crate::schedule::{Action, Schedule, Span, Step};
+use crate::algo::schedule::{Action, Schedule, Span, Step};
+use crate::exec::executor::{Effects, Execution, Progress, Source};
+use crate::sys::prefetch::prefetch;
 
 /// One rank of the simulation.
 pub(super) struct Member {

@@ -7,6 +7,9 @@
 //!
 //! `collbench simulate` prints the predictions; the selector asks
 //! [`fastest`] for settings its measured profile does not cover.
+//!
+//! Owns: the virtual clock and the cluster model. May not touch: transports
+//! or the communicator; it runs the real algorithms and executor only.
 
 mod agenda;
 mod engine;
@@ -17,9 +20,9 @@ use std::time::{Duration, Instant};
 pub use engine::Status;
 pub use model::{Cluster, Link};
 
+use crate::algo::schedule::Schedule;
 use crate::algo::{self, Algorithm, Layout, Topology};
-use crate::executor::{Execution, Windows};
-use crate::schedule::Schedule;
+use crate::exec::executor::{Execution, Windows};
 use crate::{Collective, DataType};
 
 /// The most schedule steps a simulation holds (every rank's whole schedule
@@ -121,7 +124,7 @@ pub fn simulate_reporting(
         ));
     }
     let windows = Windows {
-        sends: crate::transfers::SEND_WINDOW.max(pipeline.depth),
+        sends: crate::exec::transfers::SEND_WINDOW.max(pipeline.depth),
         recvs: pipeline.depth,
         slots: pipeline.depth,
     };
@@ -223,7 +226,7 @@ pub fn footprint(
         );
         (algorithm.build)(&l, &mut sched);
         let mut queues: Vec<_> = (sched.steps.iter())
-            .filter(|s| !matches!(s.kind, crate::schedule::Kind::Local(..)))
+            .filter(|s| !matches!(s.kind, crate::algo::schedule::Kind::Local(..)))
             .map(|s| (s.peer(), s.is_send()))
             .collect();
         queues.sort_unstable();

@@ -9,7 +9,7 @@
 use serde_json::{json, Value};
 use transport::{Rank, Request};
 
-use crate::recorder::ticks;
+use crate::sys::clock::ticks;
 
 /// A finished span.
 struct Span {

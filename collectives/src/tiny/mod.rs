@@ -42,229 +42,28 @@
 //!
 //! Segments are memfds; peers open them through `/proc/PID/fd/FD` (same
 //! rules as reading another process's memory), read-only.
+//!
+//! Owns: the flag segments and their protocol. May not touch: the executor
+//! or the communicator (which decides when a call takes this path, in
+//! `comm/inflight.rs`, and sets it up, in `comm/flags.rs`).
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::ptr::NonNull;
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
-use rustix::mm::{madvise, mmap, munmap, Advice, MapFlags, ProtFlags};
 use rustix::thread::{futex, membarrier, MembarrierCommand};
 use transport::{Rank, Tag};
 
-use crate::descriptor::{CallDesc, Collective};
-use crate::reduce;
-use crate::{Communicator, DataType, ReduceOp, Result};
+use crate::call::descriptor::{CallDesc, Collective};
+use crate::call::reduce;
+use crate::{DataType, ReduceOp};
 
-/// The control line, then each slot, starts with this many bytes of header:
-/// a sequence word (at 0), a tag (at 16), a length (at 32) and the hash of
-/// the calls so far (at 36); a slot's header also says on which CPU its
-/// writer wrote it (+1, at `CPU`).
-const HEADER: usize = 64;
-/// The progress line (the flag of the rank's latest published call, at 0,
-/// and the CPU it published it from, +1, at `CPU`, as in that call's
-/// slot: a crowded rank asks where every peer is without touching their
-/// slots) follows the control line; it is written every call and read
-/// seldom, so it shares a line with nothing read often.
-const PROGRESS: usize = HEADER;
-/// The slots' headers follow the progress line, one line each, side by
-/// side: a run of small calls walks consecutive lines of a few pages, not
-/// a page a call (the slots' data is apart, after the last header).
-const SLOTS_AT: usize = 2 * HEADER;
-/// The slots' data follows their headers.
-const DATA_AT: usize = SLOTS_AT + SLOTS as usize * HEADER;
-/// Slots per rank: how far ahead of the slowest rank a rank may run. More
-/// ranks than cores want many (a 4-rank Broadcast on 2 cores: 2 slots
-/// 4.6-6.0 us, 32 slots 0.8-1.7, 64 slots 10-35% less again; 128 slots,
-/// headers side by side, 8 ranks: 0.88 -> 0.69 us, 2 ranks 0.20 -> 0.18;
-/// 512: 8 ranks 0.8x the time of 128, and with a busy loop on one core the
-/// worst of 10 4-rank runs 1.6 us instead of 12: a root that waits yields
-/// its core to that loop for a whole time slice). 4.2 MB a rank at the
-/// default `COLL_TINY` (64K), mostly the slots' data, touched only by
-/// parts too large to go inline.
-const SLOTS: u64 = 512;
-/// The slots' data takes about this much of a segment at most: with a
-/// `COLL_TINY` over 4 KiB there are fewer data slots than headers (never
-/// fewer than `MIN_DATA_SLOTS`), and a part that does not fit its header's
-/// line waits for its data slot to be free (`Tiny::gate`). Fewer data slots
-/// also keep what ranks run ahead with in cache: an 8-rank Reduce of 4 KiB
-/// took 8.1 us a call with 512 data slots, 2.5 with 64.
-const DATA_BUDGET: usize = 2 << 20;
-const MIN_DATA_SLOTS: u64 = 64;
-const CPU: usize = 8;
-/// How much of a segment is mapped in when it is opened (`Segment::map`).
-const PREFAULT: usize = 5 << 20;
-/// A part of at most `INLINE` bytes follows its header in the same cache
-/// line: a reader of a small call fetches one line per rank, not two.
-const DATA: usize = 40;
-const INLINE: usize = HEADER - DATA;
-/// In the control line: the rank (+1) whose flag this rank sleeps on, and
-/// whether it left (its communicator was aborted or dropped).
-const SLEEPING_ON: usize = 4;
-const LEFT: usize = 12;
-/// A rank takes the header line of its slot this many calls ahead for
-/// writing as it publishes a call (`executor::prefetch_for_write`). Readers
-/// read it last `SLOTS` calls ago and may hold it still: a store to such a
-/// line waits for their cores to give it up, and every store after it
-/// waits too (stores leave in order). In the minutes when a line takes
-/// ~500 ns between this VM's cores, that made 2-rank 8 B Broadcasts take
-/// 0.17 us a call in most runs instead of 0.06 (Open MPI 0.10), and 1 KiB
-/// 0.94x the time. Not the next call's: a reader waiting for it polls that
-/// line (0.09 us). Not the data of larger parts: data slots are few (a
-/// reader may still be reading those lines) and it cost 1.4x the time at
-/// 1-2 KiB when lines move fast (0.57x when slow).
-const WRITE_AHEAD: u64 = 2;
+mod call;
+mod segment;
 
-/// One rank's segment, mapped: its control and progress lines, `SLOTS`
-/// slot headers, then `data_slots` slots' data of `data_bytes` each.
-struct Segment {
-    base: NonNull<u8>,
-    len: usize,
-    data_bytes: usize,
-    data_slots: u64,
-    _fd: OwnedFd,
-}
-
-// SAFETY: shared memory reached through atomics and copies the slot
-// protocol orders; the handle itself may move between threads.
-unsafe impl Send for Segment {}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: mapped by `map` with this length; no reference outlives self.
-        let _ = unsafe { munmap(self.base.as_ptr().cast(), self.len) };
-    }
-}
-
-impl Segment {
-    fn map(fd: OwnedFd, max_bytes: usize, writable: bool) -> std::io::Result<Self> {
-        let len = Self::bytes(max_bytes);
-        let prot = match writable {
-            true => ProtFlags::READ | ProtFlags::WRITE,
-            false => ProtFlags::READ,
-        };
-        // SAFETY: a fresh shared mapping of a file of at least `len` bytes.
-        let ptr = unsafe { mmap(std::ptr::null_mut(), len, prot, MapFlags::SHARED, &fd, 0)? };
-        // Pages mapped now, not at their first use: each rank would
-        // otherwise fault on every page of every peer's segment it reads,
-        // in the first calls (8-rank 8 B Broadcast, 1000 calls: 1.13 ->
-        // 0.79 us a call). Up to `PREFAULT` bytes: the headers and, at the
-        // default `COLL_TINY`, all the data; a larger one's data faults in
-        // as it is used, rather than every rank mapping it all at once.
-        let advice = match writable {
-            true => Advice::LinuxPopulateWrite,
-            false => Advice::LinuxPopulateRead,
-        };
-        // SAFETY: advice on our own fresh mapping. An old kernel refuses
-        // it; the pages then fault in as they are used.
-        let _ = unsafe { madvise(ptr, len.min(PREFAULT), advice) };
-        Ok(Segment {
-            base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
-            len,
-            data_bytes: Self::data_bytes(max_bytes),
-            data_slots: Self::data_slots(max_bytes),
-            _fd: fd,
-        })
-    }
-
-    /// Each slot's room for a part too large to go inline.
-    fn data_bytes(max_bytes: usize) -> usize {
-        match max_bytes > INLINE {
-            true => max_bytes.next_multiple_of(64),
-            false => 0,
-        }
-    }
-
-    /// How many slots have room for a part too large to go inline.
-    fn data_slots(max_bytes: usize) -> u64 {
-        match Self::data_bytes(max_bytes) {
-            0 => SLOTS,
-            d => ((DATA_BUDGET / d) as u64).clamp(MIN_DATA_SLOTS, SLOTS),
-        }
-    }
-
-    /// A segment's length for parts of up to `max_bytes`.
-    fn bytes(max_bytes: usize) -> usize {
-        let data = Self::data_slots(max_bytes) as usize * Self::data_bytes(max_bytes);
-        DATA_AT + data
-    }
-
-    /// The control line: the last general-path collective, who we sleep on.
-    fn control(&self) -> *mut u8 {
-        self.base.as_ptr()
-    }
-
-    /// The progress line: the flag of our latest published call.
-    fn progress(&self) -> *mut u8 {
-        // SAFETY: the segment begins with the control and progress lines.
-        unsafe { self.base.as_ptr().add(PROGRESS) }
-    }
-
-    /// The slot header of flag call `k`.
-    fn slot(&self, k: u64) -> *mut u8 {
-        // SAFETY: the segment holds SLOTS headers from SLOTS_AT (`bytes`).
-        unsafe { (self.base.as_ptr().add(SLOTS_AT)).add((k % SLOTS) as usize * HEADER) }
-    }
-
-    /// Where flag call `k`'s part of `len` bytes lies: inline, or in the
-    /// slot's data.
-    fn data(&self, k: u64, len: usize) -> *mut u8 {
-        if len <= INLINE {
-            // SAFETY: within the slot's header line.
-            return unsafe { self.slot(k).add(DATA) };
-        }
-        let at = DATA_AT + (k % self.data_slots) as usize * self.data_bytes;
-        // SAFETY: the segment holds `data_slots` slots' data after the
-        // headers, each `data_bytes` long, and parts are at most that.
-        unsafe { self.base.as_ptr().add(at) }
-    }
-
-    /// The 32-bit word at `at` bytes into the header at `line`.
-    fn word<'a>(line: *mut u8, at: usize) -> &'a AtomicU32 {
-        // SAFETY: `line` starts a 64-byte header in a live, 64-byte aligned
-        // mapping; its words are only accessed atomically.
-        unsafe { AtomicU32::from_ptr(line.add(at).cast()) }
-    }
-
-    /// The label written in the header at `line`.
-    ///
-    /// # Safety
-    /// Its writer must have published it (its sequence word, read with
-    /// acquire, says so), or the caller checks that word again after.
-    unsafe fn label(line: *mut u8) -> Label {
-        // SAFETY: the caller's promise; within the header.
-        unsafe {
-            Label {
-                tag: line.add(16).cast::<u128>().read_volatile(),
-                len: line.add(32).cast::<u32>().read_volatile() as usize,
-                chain: line.add(36).cast::<u32>().read_volatile(),
-            }
-        }
-    }
-
-    /// Writes a header's label (publish after).
-    ///
-    /// # Safety
-    /// `line` must be a header of our own segment no reader relies on now.
-    unsafe fn write_label(line: *mut u8, l: Label) {
-        // SAFETY: the caller's promise; within the header.
-        unsafe {
-            line.add(16).cast::<u128>().write_volatile(l.tag);
-            line.add(32).cast::<u32>().write_volatile(l.len as u32);
-            line.add(36).cast::<u32>().write_volatile(l.chain);
-        }
-    }
-}
-
-/// A slot's (or the control line's) label: what the call is, its part's
-/// length, and the hash of the writer's flag calls up to it.
-#[derive(Clone, Copy)]
-struct Label {
-    tag: Tag,
-    len: usize,
-    chain: u32,
-}
+pub(crate) use call::FlagCall;
+use segment::*;
 
 /// A communicator's small-call path.
 pub(crate) struct Tiny {
@@ -301,30 +100,6 @@ enum Fence {
     /// Needs every rank registered (a kernel since 4.16); when ranks
     /// outnumber cores they sleep in most calls, so not then.
     Sleeper,
-}
-
-/// A flag call in flight.
-pub(crate) struct FlagCall {
-    /// Its flag number.
-    k: u64,
-    tag: Tag,
-    chain: u32,
-    collective: Collective,
-    /// Its larger buffer, in bytes.
-    bytes: usize,
-    root: Rank,
-    in_place: bool,
-    /// The ranks of the communicator.
-    n: usize,
-    /// Our part is in our slot; before, the call waits for every rank to
-    /// publish call `k + 1 - SLOTS`.
-    posted: bool,
-    /// Ranks below this one published that call (before posting) or were
-    /// taken into the output (after).
-    next: Rank,
-    /// Before posting: the ranks below `next`, and we, published every
-    /// call up to this one.
-    reach: u64,
 }
 
 /// Whether `got` (a sequence word) has reached `want`, modulo 2^32.
@@ -371,7 +146,7 @@ impl Tiny {
                 }
             })
             .collect::<std::io::Result<Vec<_>>>()?;
-        let crowded = crate::cpus::oversubscribed(ids.len());
+        let crowded = crate::bootstrap::cpus::oversubscribed(ids.len());
         Ok(Tiny {
             me,
             segments,
@@ -516,7 +291,7 @@ impl Tiny {
         let progress = own.progress();
         Segment::word(progress, CPU).store(cpu, Ordering::Relaxed);
         Segment::word(progress, 0).store(flag(call.k), Ordering::Release);
-        crate::executor::prefetch_for_write(own.slot(call.k + WRITE_AHEAD));
+        crate::sys::prefetch::prefetch_for_write(own.slot(call.k + WRITE_AHEAD));
         self.wake_sleepers([mine]);
         (call.posted, call.next) = (true, 0);
         Ok(true)
@@ -656,7 +431,7 @@ impl Tiny {
             call.take(self.me, r, data, output, dtype, op);
             // Its next part, on its way while we return (a 2-rank Reduce's
             // root reads each call's part a call early: 0.26 -> 0.19 us).
-            crate::executor::prefetch(self.segments[r].slot(call.k + 1));
+            crate::sys::prefetch::prefetch(self.segments[r].slot(call.k + 1));
             call.next += 1;
         }
         if call.reads_all(self.me) {
@@ -799,151 +574,6 @@ fn current_cpu() -> u32 {
     unsafe { libc::sched_getcpu() }.wrapping_add(1) as u32
 }
 
-/// Bytes of shared memory a rank's flag segment takes for parts of up to
-/// `max_bytes` (`COLL_TINY`): every rank of the host maps every rank's.
-pub(crate) fn segment_bytes(max_bytes: usize) -> usize {
-    Segment::bytes(max_bytes)
-}
-
-impl FlagCall {
-    /// The rank whose flag the call waits on.
-    pub fn peer(&self) -> Rank {
-        self.next
-    }
-
-    /// Where the call is: it moved when this changed.
-    pub fn mark(&self) -> (bool, Rank) {
-        (self.posted, self.next)
-    }
-
-    /// Whether rank `me` reads rank `r`'s part: of a broadcast only the
-    /// root's, of a reduce only on the root.
-    fn reads(&self, me: Rank, r: Rank) -> bool {
-        match self.collective {
-            Collective::Broadcast => r == self.root,
-            Collective::Reduce => me == self.root,
-            _ => true,
-        }
-    }
-
-    /// Whether rank `me` reads every rank's part (and so sees every rank
-    /// publish the call).
-    fn reads_all(&self, me: Rank) -> bool {
-        (0..self.n).all(|r| self.reads(me, r))
-    }
-
-    /// How many bytes rank `r` publishes: the tag fixes every rank's.
-    fn part_len(&self, r: Rank) -> usize {
-        match self.collective {
-            Collective::AllGather => self.bytes / self.n,
-            Collective::Broadcast if r == self.root => self.bytes,
-            Collective::Broadcast | Collective::Barrier => 0,
-            _ => self.bytes,
-        }
-    }
-
-    /// What rank `me` publishes: its input, its block of an in-place
-    /// AllGather, nothing off a broadcast's root.
-    fn own_part<'a>(&self, me: Rank, input: Option<&'a [u8]>, output: &'a [u8]) -> &'a [u8] {
-        let len = self.part_len(me);
-        match (self.collective, input) {
-            (Collective::AllGather, None) => &output[me * len..][..len],
-            (_, input) => &input.unwrap_or(output)[..len],
-        }
-    }
-
-    /// Whether a rank's block to itself stays out of its slot, which no
-    /// peer reads, and goes from its input to its output directly
-    /// (`keep_own_block`): an AllToAll's (2-rank AllToAll of 4 KiB 0.37 ->
-    /// 0.20 us a call, of 8 and 16 KiB 0.89x the time). Not a
-    /// ReduceScatter's: in place, its result overwrites that block before
-    /// the block is added.
-    fn keeps_own_block(&self) -> bool {
-        self.collective == Collective::AllToAll
-    }
-
-    /// The ranges of rank `me`'s part (at, len) it copies into its slot:
-    /// all of it, or all but its own block (`keeps_own_block`).
-    fn published_ranges(&self, me: Rank) -> [(usize, usize); 2] {
-        let len = self.part_len(me);
-        match self.keeps_own_block() {
-            true => {
-                let block = self.bytes / self.n;
-                [(0, me * block), ((me + 1) * block, len - (me + 1) * block)]
-            }
-            false => [(0, len), (len, 0)],
-        }
-    }
-
-    /// Rank `me`'s block to itself, straight from its input (in place it
-    /// is there already): see `keeps_own_block`.
-    fn keep_own_block(&self, me: Rank, input: Option<&[u8]>, output: &mut [u8]) {
-        let block = self.bytes / self.n;
-        if let Some(input) = input {
-            output[me * block..][..block].copy_from_slice(&input[me * block..][..block]);
-        }
-    }
-
-    /// Takes rank `r`'s part, `data`, into `output` (ours, `me`'s).
-    fn take(&self, me: Rank, r: Rank, data: &[u8], output: &mut [u8], dt: DataType, op: ReduceOp) {
-        let block = self.bytes / self.n;
-        let combine = |dst: &mut [u8], src: &[u8]| match r {
-            0 => dst.copy_from_slice(src),
-            _ => reduce::reduce_into(dt, op, dst, src),
-        };
-        match self.collective {
-            Collective::AllReduce => combine(output, data),
-            Collective::Reduce if me == self.root => combine(output, data),
-            Collective::ReduceScatter => {
-                let src = &data[me * block..][..block];
-                combine(self.reduced(me, output).expect("reduces"), src)
-            }
-            Collective::AllGather => output[r * block..][..block].copy_from_slice(data),
-            Collective::AllToAll => {
-                output[r * block..][..block].copy_from_slice(&data[me * block..][..block])
-            }
-            Collective::Broadcast if r == self.root => output.copy_from_slice(data),
-            _ => {}
-        }
-    }
-
-    /// Where `me`'s reduction result lies in `output`, if it has one.
-    fn reduced<'a>(&self, me: Rank, output: &'a mut [u8]) -> Option<&'a mut [u8]> {
-        let block = self.bytes / self.n;
-        match self.collective {
-            Collective::AllReduce => Some(output),
-            Collective::Reduce if me == self.root => Some(output),
-            Collective::ReduceScatter if self.in_place => Some(&mut output[me * block..][..block]),
-            Collective::ReduceScatter => Some(output),
-            _ => None,
-        }
-    }
-
-    /// What the call waits on, for the status board: the flag of the rank
-    /// it reads next.
-    pub fn waiting(&self) -> crate::executor::Waiting {
-        crate::executor::Waiting {
-            peer: self.next,
-            send: false,
-            index: 1,
-            of: 1,
-            bytes: self.bytes,
-        }
-    }
-
-    /// Rank `peer` labelled `got` what we know as `expected` (this call's
-    /// tag, or the one it waits for).
-    fn mismatch_with(&self, expected: Tag, peer: Rank, got: Label) -> transport::Error {
-        transport::Error::Mismatch {
-            peer,
-            expected_tag: expected,
-            expected_len: self.part_len(peer),
-            got_tag: got.tag,
-            got_len: got.len,
-        }
-    }
-}
-
 /// Whether a communicator uses the small-call path.
 pub(crate) enum State {
     /// Not (turned off, or some rank is reached otherwise than by shared
@@ -956,7 +586,7 @@ pub(crate) enum State {
 
 impl State {
     pub fn initial(max_bytes: usize, via: &[Option<&'static str>]) -> Self {
-        match max_bytes > 0 && crate::mesh::all_shared_memory(via) && via.len() > 1 {
+        match max_bytes > 0 && crate::bootstrap::mesh::all_shared_memory(via) && via.len() > 1 {
             true => State::Untried,
             false => State::Off,
         }
@@ -974,43 +604,6 @@ impl State {
             State::On(t) => Some(t),
             _ => None,
         }
-    }
-}
-
-impl Communicator {
-    /// Every rank creates its segment and opens the others'; on only if
-    /// all could. Every rank calls this once, when the communicator is made.
-    pub(crate) fn set_up_tiny(&mut self) -> Result<()> {
-        if !matches!(self.tiny, State::Untried) {
-            return Ok(());
-        }
-        let max = self.config.tiny_bytes;
-        // The calls below take the general path, and leave the numbering of
-        // the caller's calls alone (every rank makes both, and each
-        // connection delivers in order: no message of theirs can be taken
-        // for one of a later call #0 or #1).
-        self.tiny = State::Off;
-        let seq = self.seq;
-        let created = Tiny::create(max);
-        let mine = created.as_ref().map_or([0, 0], |(_, id)| *id);
-        let mut ids = vec![0u64; 2 * self.size];
-        self.all_gather(&mine, &mut ids)?;
-        let ids: Vec<[u64; 2]> = ids.chunks(2).map(|c| [c[0], c[1]]).collect();
-        let opened = created.and_then(|(fd, _)| Tiny::open(self.rank, fd, &ids, max));
-        if let Err(e) = &opened {
-            tracing::info!(rank = self.rank, "COLL_TINY: no flag path: {e}");
-        }
-        let mut all = [u64::from(opened.is_ok())];
-        self.all_reduce_in_place(&mut all, ReduceOp::Min)?;
-        self.seq = seq;
-        if let (Ok(t), 1) = (opened, all[0]) {
-            tracing::debug!(
-                rank = self.rank,
-                "COLL_TINY: collectives up to {max} B and barriers go through shared flags"
-            );
-            self.tiny = State::On(Box::new(t));
-        }
-        Ok(())
     }
 }
 

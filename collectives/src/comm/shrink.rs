@@ -2,7 +2,7 @@
 //! ([`Communicator::failed_ranks`]) and building a communicator of the
 //! survivors ([`Communicator::shrink`]), as `ncclCommShrink` and ULFM's
 //! `MPIX_Comm_shrink` do. Both run over the status channel
-//! ([`crate::agree`]), so they work on a communicator that failed or was
+//! ([`crate::fault::agree`]), so they work on a communicator that failed or was
 //! aborted; no launcher or rendezvous is involved, and every wait is
 //! bounded by the communicator's timeout.
 //!
@@ -14,11 +14,12 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use crate::agree;
 use crate::bootstrap::derive_token;
+use crate::bootstrap::mesh;
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
-use crate::communicator::Setup;
-use crate::{mesh, Communicator, Error, Rank, Result};
+use crate::comm::Setup;
+use crate::fault::agree;
+use crate::{Communicator, Error, Rank, Result};
 
 impl Communicator {
     /// The ranks that failed, the same set on every survivor: each
@@ -62,8 +63,7 @@ impl Communicator {
         }
         let k = self.next_agreement();
         let deadline = Instant::now() + self.config.timeout;
-        let (listeners, addresses) =
-            mesh::listen(&self.available).map_err(|e| fail(e.to_string()))?;
+        let (listeners, addresses) = super::listen(&self.available).map_err(fail)?;
         let wanted: BTreeSet<Rank> = excluded.iter().copied().collect();
         let outcome = self.agree(k, wanted.clone(), Some(addresses), deadline)?;
         let gone: BTreeSet<Rank> = outcome.failed.iter().copied().collect();

@@ -6,7 +6,7 @@ use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use crate::doorbell::Doorbell;
+use crate::sys::doorbell::Doorbell;
 
 /// Fires an abort of the communicator it came from
 /// ([`Communicator::abort_handle`](crate::Communicator::abort_handle)).

@@ -8,9 +8,9 @@ use std::collections::{HashMap, VecDeque};
 
 use transport::Tag;
 
-use super::{Algorithm, Layout};
-use crate::executor::{Effects, Execution, Progress, Source, Windows};
-use crate::schedule::{Action, Buf, Schedule, Span, Step};
+use crate::algo::schedule::{Action, Buf, Schedule, Span, Step};
+use crate::algo::{Algorithm, Layout};
+use crate::exec::executor::{Effects, Execution, Progress, Source, Windows};
 use crate::{Collective, DataType};
 
 struct Memory {
@@ -319,10 +319,10 @@ fn large_slices_cross_hosts_by_ring_in_the_hierarchical_allreduce() {
     // Slices above the tree's limit (2 ranks per host here).
     for n in [4, 6] {
         let hosts = n / 2;
-        let count = 2 * super::hierarchical::TREE_SLICE_BYTES_PER_HOST * hosts / 8 + 24;
+        let count = 2 * crate::algo::hierarchical::TREE_SLICE_BYTES_PER_HOST * hosts / 8 + 24;
         for in_place in [false, true] {
             check(
-                &super::hierarchical::ALLREDUCE,
+                &crate::algo::hierarchical::ALLREDUCE,
                 n,
                 count,
                 8192,
@@ -335,7 +335,7 @@ fn large_slices_cross_hosts_by_ring_in_the_hierarchical_allreduce() {
 
 #[test]
 fn every_alltoall_is_right_whatever_the_timing() {
-    for algo in super::ALGORITHMS
+    for algo in crate::algo::ALGORITHMS
         .iter()
         .filter(|a| a.collective == Collective::AllToAll)
     {
@@ -355,7 +355,7 @@ fn every_alltoall_is_right_whatever_the_timing() {
 
 #[test]
 fn every_allgather_and_reduce_scatter_is_right_whatever_the_timing() {
-    for algo in super::ALGORITHMS.iter().filter(|a| {
+    for algo in crate::algo::ALGORITHMS.iter().filter(|a| {
         matches!(
             a.collective,
             Collective::AllGather | Collective::ReduceScatter
@@ -377,7 +377,7 @@ fn every_allgather_and_reduce_scatter_is_right_whatever_the_timing() {
 
 #[test]
 fn every_allreduce_is_right_whatever_the_timing() {
-    for algo in super::ALGORITHMS
+    for algo in crate::algo::ALGORITHMS
         .iter()
         .filter(|a| a.collective == Collective::AllReduce)
     {

@@ -11,8 +11,8 @@ use std::time::Instant;
 
 use crate::bootstrap::derive_token;
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
-use crate::communicator::Setup;
-use crate::{mesh, Communicator, Error, ReduceOp, Result};
+use crate::comm::Setup;
+use crate::{Communicator, Error, ReduceOp, Result};
 use serde::{Deserialize, Serialize};
 
 /// What each rank contributes to a split.
@@ -35,8 +35,7 @@ impl Communicator {
             rank,
             message: format!("split: {message}"),
         };
-        let (listeners, addresses) =
-            mesh::listen(&self.available).map_err(|e| fail(e.to_string()))?;
+        let (listeners, addresses) = super::listen(&self.available).map_err(fail)?;
         let me = Entry {
             color,
             key,

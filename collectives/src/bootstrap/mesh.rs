@@ -37,7 +37,8 @@ pub(crate) fn available(bind_ip: IpAddr, config: &Config) -> Vec<Arc<dyn Transpo
 /// Transport name to hex address blob, as published at the rendezvous.
 pub(crate) type Addresses = BTreeMap<String, String>;
 
-/// A listener per transport, and the address map to publish.
+/// A listener per transport, and the address map to publish (the status
+/// port's address is added by [`crate::observe::status::publish`]).
 pub(crate) fn listen(
     available: &[Arc<dyn Transport>],
 ) -> transport::Result<(Vec<Box<dyn Listener>>, Addresses)> {
@@ -50,26 +51,7 @@ pub(crate) fn listen(
         .zip(&listeners)
         .map(|(t, l)| (t.name().to_string(), rendezvous::to_hex(&l.address())))
         .collect();
-    Ok((listeners, with_status(addresses)))
-}
-
-/// Adds where this process answers "where are you" (see [`crate::status`]),
-/// on the TCP transport's address: a job without one loses only the
-/// root-cause line of timeouts.
-fn with_status(mut addresses: Addresses) -> Addresses {
-    let tcp = (addresses.get("tcp"))
-        .and_then(|hex| rendezvous::from_hex(hex))
-        .and_then(|blob| String::from_utf8(blob).ok()?.parse::<SocketAddr>().ok());
-    if let Some(tcp) = tcp {
-        match crate::status::listen(tcp.ip()) {
-            Ok(addr) => {
-                let hex = rendezvous::to_hex(addr.to_string().as_bytes());
-                addresses.insert(STATUS.into(), hex);
-            }
-            Err(e) => tracing::warn!("cannot answer status questions on {}: {e}", tcp.ip()),
-        }
-    }
-    addresses
+    Ok((listeners, addresses))
 }
 
 /// The key of the status address among a rank's published addresses.

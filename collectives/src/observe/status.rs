@@ -27,15 +27,15 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use transport::{Rank, Tag};
 
-use crate::descriptor::{CallDesc, Collective};
-use crate::executor::Waiting;
+use crate::call::descriptor::{CallDesc, Collective};
+use crate::observe::waiting::Waiting;
 
 /// How long a rank waits for the others' answers.
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// Questions asked at once (a thread each).
 const AT_ONCE: usize = 64;
 /// What a question asks: where the rank is, or its state in an agreement
-/// ([`crate::agree`]).
+/// ([`crate::fault::agree`]).
 pub(crate) const POSITION: &[u8; 4] = b"CSTQ";
 pub(crate) const AGREEMENT: &[u8; 4] = b"CSTA";
 /// A question: its kind, a session token, an agreement number.
@@ -55,7 +55,7 @@ pub(crate) struct Board {
     wait_peer: AtomicU64,
     wait_message: AtomicU64,
     /// Agreements on failed ranks (off the hot path: a lock).
-    agreement: Mutex<crate::agree::State>,
+    agreement: Mutex<crate::observe::ballot::Ballot>,
     /// The communicator is gone (its agreements are still answered).
     left: std::sync::atomic::AtomicBool,
 }
@@ -107,7 +107,7 @@ impl Board {
     }
 
     /// Updates the agreement state.
-    pub fn agreement(&self, f: impl FnOnce(&mut crate::agree::State)) {
+    pub fn agreement(&self, f: impl FnOnce(&mut crate::observe::ballot::Ballot)) {
         f(&mut self.agreement.lock().unwrap_or_else(|e| e.into_inner()));
     }
 
@@ -341,6 +341,27 @@ fn responders() -> &'static Responders {
     })
 }
 
+/// Adds where this process answers "where are you" ,
+/// on the TCP transport's address: a job without one loses only the
+/// root-cause line of timeouts.
+pub(crate) fn publish(
+    mut addresses: crate::bootstrap::mesh::Addresses,
+) -> crate::bootstrap::mesh::Addresses {
+    let tcp = (addresses.get("tcp"))
+        .and_then(|hex| crate::bootstrap::rendezvous::from_hex(hex))
+        .and_then(|blob| String::from_utf8(blob).ok()?.parse::<SocketAddr>().ok());
+    if let Some(tcp) = tcp {
+        match listen(tcp.ip()) {
+            Ok(addr) => {
+                let hex = crate::bootstrap::rendezvous::to_hex(addr.to_string().as_bytes());
+                addresses.insert(crate::bootstrap::mesh::STATUS.into(), hex);
+            }
+            Err(e) => tracing::warn!("cannot answer status questions on {}: {e}", tcp.ip()),
+        }
+    }
+    addresses
+}
+
 /// The address this process answers questions on at `ip`, listening there
 /// (with a thread) the first time.
 pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
@@ -413,7 +434,7 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
     let text = match (kind, board) {
         // Unknown: this process has not made the communicator (yet).
         (POSITION, None) => serde_json::to_vec(&Position::not_yet()),
-        (_, None) => serde_json::to_vec(&crate::agree::Answer::NotYet),
+        (_, None) => serde_json::to_vec(&crate::observe::ballot::Answer::NotYet),
         (POSITION, Some(Some(b))) if !b.left.load(Ordering::Relaxed) => {
             serde_json::to_vec(&b.position())
         }
@@ -426,7 +447,7 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
                 .answer(k);
             serde_json::to_vec(&answer)
         }
-        (_, Some(None)) => serde_json::to_vec(&crate::agree::Answer::Left),
+        (_, Some(None)) => serde_json::to_vec(&crate::observe::ballot::Answer::Left),
     };
     stream.write_all(&text.map_err(std::io::Error::other)?)
 }

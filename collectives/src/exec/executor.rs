@@ -18,7 +18,9 @@
 
 use transport::{Rank, Tag};
 
-use crate::schedule::{Action, Kind, Schedule, Span, Step, StepId};
+use crate::algo::schedule::{Action, Kind, Schedule, Span, Step, StepId};
+use crate::observe::waiting::Waiting;
+use crate::sys::prefetch::prefetch;
 
 /// What carrying out the rules does to the world: posting transfers,
 /// moving bytes, reducing and copying memory.
@@ -105,17 +107,6 @@ pub(crate) enum Progress {
     Moved,
     /// Nothing moved: wait for a connection before stepping again.
     Idle,
-}
-
-/// The step an unfinished execution waits on, for errors and diagnostics.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Waiting {
-    pub peer: Rank,
-    pub send: bool,
-    /// 1-based position of the step in its queue, and the queue's length.
-    pub index: usize,
-    pub of: usize,
-    pub bytes: usize,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -570,34 +561,10 @@ impl<T: Copy> Execution<T> {
 // What the simulator holds per step of every rank (with u32 tokens).
 const _: () = assert!(std::mem::size_of::<State<u32>>() == 8);
 
-/// Asks the CPU to load the line at `p` (any address: a prefetch never
-/// faults).
-pub(crate) fn prefetch<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults or changes memory.
-    unsafe {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        _mm_prefetch::<_MM_HINT_T0>(p.cast());
-    }
-}
-
-/// Asks the CPU to take the line at `p` for writing (`prefetchw`): a
-/// line a peer's core holds is then ours before we store to it, and the
-/// store does not wait in the store buffer, holding up every store after
-/// it, for the peer to give it up.
-pub(crate) fn prefetch_for_write<T>(p: *const T) {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: a prefetch is a hint; it never faults or changes memory
-    // (`prefetchw` is a no-op where the CPU lacks it).
-    unsafe {
-        std::arch::asm!("prefetchw [{}]", in(reg) p, options(nostack, preserves_flags, readonly));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::schedule::Buf;
+    use crate::algo::schedule::Buf;
 
     /// Effects on a log: transfers complete on the step after posting.
     #[derive(Default)]

@@ -16,8 +16,9 @@ use std::time::Instant;
 use serde::Serialize;
 use transport::Rank;
 
-use crate::descriptor::{CallDesc, Collective};
-use crate::executor::Waiting;
+use crate::call::descriptor::{CallDesc, Collective};
+use crate::observe::waiting::Waiting;
+use crate::sys::clock::ticks;
 
 /// Calls kept when `COLL_TRACE_BUFFER` does not say.
 pub const DEFAULT_CALLS: usize = 2000;
@@ -48,20 +49,6 @@ pub(crate) struct Entry {
     pub ended: u64,
 }
 
-/// A cheap timestamp: the time-stamp counter where there is one (a clock
-/// read costs tens of nanoseconds in a VM, twice per call), converted to
-/// microseconds only when a dump is written.
-pub(crate) fn ticks() -> u64 {
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: rdtsc exists on every x86_64 and has no preconditions.
-    return unsafe { core::arch::x86_64::_rdtsc() };
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        ORIGIN.get_or_init(Instant::now).elapsed().as_nanos() as u64
-    }
-}
-
 /// The ring of recent calls and the counters of one communicator.
 pub(crate) struct Recorder {
     ring: Vec<Entry>,
@@ -77,11 +64,11 @@ pub(crate) struct Recorder {
     /// SIGUSR1s this communicator has dumped for.
     pub dumps_seen: u64,
     /// Spans for `COLL_TRACE`, when it is set.
-    pub timeline: Option<crate::timeline::Timeline>,
+    pub timeline: Option<crate::observe::timeline::Timeline>,
     /// The wall clock when the recorder was made (traces of ranks line up).
     born_unix_us: f64,
-    /// Where this rank is, for the others to ask (see [`crate::status`]).
-    pub board: std::sync::Arc<crate::status::Board>,
+    /// Where this rank is, for the others to ask (see [`crate::observe::status`]).
+    pub board: std::sync::Arc<crate::observe::status::Board>,
 }
 
 /// A call's place in the ring, while it can still be updated: its number
@@ -122,7 +109,7 @@ impl Recorder {
             born_ticks: ticks(),
             stats: Stats::new(size),
             dumps_seen: dump_requests(),
-            timeline: crate::timeline::path_for(rank).map(|_| Default::default()),
+            timeline: crate::observe::timeline::path_for(rank).map(|_| Default::default()),
             born_unix_us: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64() * 1e6),

@@ -31,9 +31,9 @@ use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::args::{CallArgs, VarCounts};
-use crate::doorbell::Doorbell;
-use crate::inflight::{CallId, RawBuf};
+use crate::call::args::{CallArgs, VarCounts};
+use crate::comm::inflight::{CallId, RawBuf};
+use crate::sys::doorbell::Doorbell;
 use crate::{
     AbortHandle, Buffers, Collective, Communicator, DataType, Element, Error, Rank, ReduceOp,
     Result,

@@ -20,15 +20,15 @@ use std::os::fd::BorrowedFd;
 
 use transport::{Phase, Poller, Request};
 
+use crate::algo::schedule::Schedule;
 use crate::algo::{self, Layout};
-use crate::args::CallArgs;
-use crate::descriptor::{CallDesc, Collective};
-use crate::executor::{Execution, Progress, Windows};
-use crate::mesh::{Lane, LANES};
-use crate::recorder::{self, Slot};
-use crate::schedule::Schedule;
+use crate::bootstrap::mesh::{Lane, LANES};
+use crate::call::args::CallArgs;
+use crate::call::descriptor::{CallDesc, Collective};
+use crate::exec::executor::{Execution, Progress, Windows};
+use crate::exec::transfers::{self, Region, Transfers};
+use crate::observe::recorder::{self, Slot};
 use crate::tiny::{FlagCall, Tiny};
-use crate::transfers::{self, Region, Transfers};
 use crate::{Communicator, Error, ReduceOp, Result};
 
 /// A call started on a communicator, until its result is taken.
@@ -735,7 +735,7 @@ impl Communicator {
             rank = self.rank,
             "{op} timed out; asking every rank where it is"
         );
-        let cause = crate::status::diagnose(
+        let cause = crate::observe::status::diagnose(
             self.rank,
             self.recorder.board.position(),
             &self.status_addresses(),
@@ -800,7 +800,7 @@ impl Communicator {
     }
 
     /// What the running call recorded as number `n` waits on.
-    pub(crate) fn waiting_on(&self, n: u64) -> Option<crate::executor::Waiting> {
+    pub(crate) fn waiting_on(&self, n: u64) -> Option<crate::observe::waiting::Waiting> {
         let call = self.inflight.calls.iter().find(|c| c.slot.number() == n)?;
         match &call.state {
             State::Running(run) => run.exec.waiting_on(&run.sched),

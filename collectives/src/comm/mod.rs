@@ -1,52 +1,45 @@
-//! The communicator: a rank's connections to every other rank of the job,
+//! The communicator: a rank's connections to the other ranks of the job,
 //! its settings, and the one path every call takes (check, choose, build,
-//! execute). The typed calls are in `calls.rs`, splitting in `split.rs`.
+//! execute). Everything that needs the whole communicator lives here:
+//!
+//! * `mod.rs`: [`Communicator`], its set-up from a bootstrap, its state;
+//! * `calls.rs`: the typed calls (`all_reduce`, `send`, ...);
+//! * `inflight.rs`: calls in flight, started, stepped and finished;
+//! * `nonblocking.rs`, `group.rs`: non-blocking calls and group calls;
+//! * `split.rs`, `shrink.rs`: child communicators, and going on without
+//!   failed ranks;
+//! * `flags.rs`: turning on the flag path for small calls ([`crate::tiny`]).
+//!
+//! Owns: the communicator's state. It is the top of the crate: every other
+//! folder is below it and none imports it.
+
+mod calls;
+mod flags;
+pub(crate) mod group;
+pub(crate) mod inflight;
+pub(crate) mod nonblocking;
+mod shrink;
+mod split;
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use transport::{Listener, Rank, RegistrationCache, Transport};
 
-use crate::abort::{AbortFlag, AbortHandle};
 use crate::algo::{Algorithm, Topology};
-use crate::args::{CallArgs, Peer};
+use crate::bootstrap::mesh::{self, Conns, LANES};
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::bootstrap::{self, Bootstrap};
-use crate::descriptor::Collective;
-use crate::inflight::{InFlight, RawBuf};
-use crate::mesh::{self, Conns, LANES};
-use crate::recorder::{self, Dump, Recorder, Stats};
-use crate::selector::Selector;
-use crate::transfers::Staging;
-use crate::tuning::Setting;
+use crate::call::args::{CallArgs, Peer};
+use crate::call::buffers::Buffers;
+use crate::call::descriptor::Collective;
+use crate::comm::inflight::{InFlight, RawBuf};
+use crate::exec::transfers::Staging;
+use crate::fault::abort::{AbortFlag, AbortHandle};
+use crate::observe::recorder::{self, Dump, Recorder, Stats};
+use crate::select::selector::Selector;
+use crate::select::tuning::Setting;
 use crate::{Config, Error, Result};
-
-/// The caller's buffers for one call, as bytes.
-pub enum Buffers<'a> {
-    /// The result overwrites the input.
-    InPlace(&'a mut [u8]),
-    OutOfPlace {
-        send: &'a [u8],
-        recv: &'a mut [u8],
-    },
-}
-
-impl<'a> Buffers<'a> {
-    /// Out-of-place byte views of typed buffers.
-    pub fn typed<T: crate::Element>(send: &'a [T], recv: &'a mut [T]) -> Self {
-        Buffers::OutOfPlace {
-            send: bytemuck::cast_slice(send),
-            recv: bytemuck::cast_slice_mut(recv),
-        }
-    }
-
-    fn split(self) -> (Option<&'a [u8]>, &'a mut [u8]) {
-        match self {
-            Buffers::InPlace(b) => (None, b),
-            Buffers::OutOfPlace { send, recv } => (Some(send), recv),
-        }
-    }
-}
 
 /// One rank's view of a job: its peers, its connections, its settings.
 /// Collective calls must be made by every rank, in the same order, with
@@ -81,7 +74,7 @@ pub struct Communicator {
     pub(crate) session: u128,
     /// Splits made so far (each child's token derives from it).
     pub(crate) splits: u32,
-    /// Agreements on failed ranks made so far (see [`crate::agree`]).
+    /// Agreements on failed ranks made so far (see [`crate::fault::agree`]).
     pub(crate) agreements: u32,
     pub(crate) abort: Arc<AbortFlag>,
     /// Why the communicator is unusable, once it is.
@@ -138,7 +131,7 @@ impl Communicator {
         config.validate().map_err(fail)?;
         let deadline = Instant::now() + config.timeout;
         let available = mesh::available(boot.local_ip(), &config);
-        let (listeners, addresses) = mesh::listen(&available).map_err(|e| fail(e.to_string()))?;
+        let (listeners, addresses) = listen(&available).map_err(fail)?;
         let me = PeerInfo::new(rank, addresses, config.shared_settings());
         let table = bootstrap::meet(&boot, me, deadline).map_err(fail)?;
         Self::connect(Setup {
@@ -185,7 +178,7 @@ impl Communicator {
                 "launcher says local rank {local_rank_hint:?}, the rendezvous says {local_rank}"
             );
         }
-        let spin = crate::cpus::spin(local_ranks.len());
+        let spin = crate::bootstrap::cpus::spin(local_ranks.len());
         let size = table.peers.len();
         mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(
@@ -208,8 +201,12 @@ impl Communicator {
         };
         let topology = Topology {
             hosts: hosts.clone(),
-            crowded_sockets: crate::cpus::crowded_sockets(&config.transport, &table.peers, &hosts),
-            crowded: crate::cpus::crowded(&table.peers, &hosts),
+            crowded_sockets: crate::bootstrap::cpus::crowded_sockets(
+                &config.transport,
+                &table.peers,
+                &hosts,
+            ),
+            crowded: crate::bootstrap::cpus::crowded(&table.peers, &hosts),
             shared_memory: mesh::all_shared_memory(&mesh.via),
         };
         let tiny = crate::tiny::State::initial(config.tiny_bytes, &mesh.via);
@@ -241,7 +238,7 @@ impl Communicator {
             inflight: InFlight::new(spin, rank),
             recorder: Recorder::new(rank, size),
         };
-        crate::status::register(comm.session, &comm.recorder.board);
+        crate::observe::status::register(comm.session, &comm.recorder.board);
         let mut comm = comm;
         comm.set_up_tiny()?;
         Ok(comm)
@@ -296,8 +293,8 @@ impl Communicator {
     pub fn pipeline(&self, collective: Collective, bytes: usize) -> (usize, usize) {
         let chunk = self.staging.slot_bytes.min(self.config.chunk_bytes);
         let shared_memory = self.selector.shared_memory();
-        match crate::transfers::stages_in_cache(collective, bytes, shared_memory) {
-            true => (chunk.min(crate::transfers::CACHED_CHUNK), 1),
+        match crate::exec::transfers::stages_in_cache(collective, bytes, shared_memory) {
+            true => (chunk.min(crate::exec::transfers::CACHED_CHUNK), 1),
             false => (chunk, self.staging.slots),
         }
     }
@@ -521,14 +518,14 @@ impl Drop for Communicator {
     /// the trace where `COLL_TRACE` says (the same way).
     fn drop(&mut self) {
         if self.agreements > 0 {
-            crate::status::retire(&self.recorder.board);
+            crate::observe::status::retire(&self.recorder.board);
         }
         if let (Some(t), Some(path)) = (
             &self.recorder.timeline,
-            crate::timeline::path_for(self.rank),
+            crate::observe::timeline::path_for(self.rank),
         ) {
             let events = t.events(self.rank, self.size, |at| self.recorder.unix_us(at));
-            if let Err(e) = crate::timeline::write(&path, events) {
+            if let Err(e) = crate::observe::timeline::write(&path, events) {
                 tracing::warn!(rank = self.rank, "COLL_TRACE: could not write {path}: {e}");
             }
         }
@@ -547,6 +544,15 @@ impl Drop for Communicator {
             tracing::warn!(rank = self.rank, "COLL_STATS: could not write {path}: {e}");
         }
     }
+}
+
+/// A listener per transport, and the addresses to publish: theirs and the
+/// status port's.
+fn listen(
+    available: &[Arc<dyn Transport>],
+) -> std::result::Result<(Vec<Box<dyn Listener>>, mesh::Addresses), String> {
+    let (listeners, addresses) = mesh::listen(available).map_err(|e| e.to_string())?;
+    Ok((listeners, crate::observe::status::publish(addresses)))
 }
 
 /// The ranks of `peers` grouped by host, in rank order.

@@ -3,7 +3,7 @@
 //! at once or one dies during the agreement, and no coordinator is needed
 //! (one could be the rank that died).
 //!
-//! It runs over the status channel ([`crate::status`]), not the
+//! It runs over the status channel ([`crate::observe::status`]), not the
 //! communicator's connections, which a failure has aborted: each process
 //! answers from its own thread, a dead process refuses the connection, a
 //! stopped one does not answer within 2 s. Each rank publishes
@@ -31,58 +31,11 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
 use transport::Rank;
 
-use crate::mesh::Addresses;
-use crate::status::{self, Board};
-
-/// One communicator's agreements, as its board keeps them.
-#[derive(Default)]
-pub(crate) struct State {
-    /// Agreements started (the current one's number).
-    current: u32,
-    proposal: Vec<Rank>,
-    /// By agreement number - 1: the decided set and the payload.
-    decided: Vec<Vec<Rank>>,
-    payloads: Vec<Option<Addresses>>,
-}
-
-/// What a rank says of agreement number k.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub enum Answer {
-    /// Alive, and not yet in it.
-    NotYet,
-    Proposing {
-        failed: Vec<Rank>,
-        payload: Option<Addresses>,
-    },
-    Decided {
-        failed: Vec<Rank>,
-        payload: Option<Addresses>,
-    },
-    /// The rank no longer has the communicator.
-    Left,
-}
-
-impl State {
-    pub fn answer(&self, k: u32) -> Answer {
-        let at = k as usize;
-        if at >= 1 && at <= self.decided.len() {
-            return Answer::Decided {
-                failed: self.decided[at - 1].clone(),
-                payload: self.payloads[at - 1].clone(),
-            };
-        }
-        match k == self.current && k > 0 {
-            true => Answer::Proposing {
-                failed: self.proposal.clone(),
-                payload: self.payloads.get(at - 1).cloned().flatten(),
-            },
-            false => Answer::NotYet,
-        }
-    }
-}
+use crate::bootstrap::mesh::Addresses;
+use crate::observe::ballot::Answer;
+use crate::observe::status::{self, Board};
 
 /// What an agreement gives: the failed ranks, and each rank's payload.
 pub(crate) struct Outcome {
@@ -226,37 +179,4 @@ fn ask_all(
         .into_iter()
         .map(|(r, bytes)| (r, bytes.and_then(|b| serde_json::from_slice(&b).ok())))
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn answers_follow_the_agreement_number() {
-        let mut s = State::default();
-        assert_eq!(s.answer(1), Answer::NotYet);
-        s.current = 1;
-        s.proposal = vec![2];
-        s.payloads = vec![None];
-        assert_eq!(
-            s.answer(1),
-            Answer::Proposing {
-                failed: vec![2],
-                payload: None
-            }
-        );
-        s.decided = vec![vec![2, 3]];
-        s.current = 2;
-        s.proposal = vec![];
-        s.payloads.push(None);
-        assert_eq!(
-            s.answer(1),
-            Answer::Decided {
-                failed: vec![2, 3],
-                payload: None
-            }
-        );
-        assert_eq!(s.answer(3), Answer::NotYet);
-    }
 }

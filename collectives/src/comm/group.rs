@@ -24,8 +24,8 @@ use std::marker::PhantomData;
 
 use transport::Rank;
 
-use crate::args::{CallArgs, Peer};
-use crate::inflight::{CallId, RawBuf};
+use crate::call::args::{CallArgs, Peer};
+use crate::comm::inflight::{CallId, RawBuf};
 use crate::{Collective, Communicator, Element, Error, ReduceOp, Result};
 
 /// AllReduces up to this size are fused within a group: above it, one call

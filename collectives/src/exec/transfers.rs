@@ -6,10 +6,10 @@ use std::time::Duration;
 
 use transport::{Connection, MemRegion, Rank, Request, Tag};
 
-use crate::executor::{Effects, Execution, Source};
-use crate::reduce;
-use crate::schedule::{Action, Buf, Kind, Schedule, Span, Step};
-use crate::stream_copy;
+use crate::algo::schedule::{Action, Buf, Kind, Schedule, Span, Step};
+use crate::call::reduce;
+use crate::exec::executor::{Effects, Execution, Source};
+use crate::sys::stream_copy;
 use crate::{Collective, DataType, HugeBuffer, ReduceOp};
 
 /// Sends in flight per peer (receives are bounded by the pipeline depth).
@@ -97,7 +97,7 @@ impl Staging {
 /// Everything a schedule's steps act on.
 pub(crate) struct Transfers<'a> {
     /// Counts every message posted (and traces it under `COLL_TRACE`).
-    pub recorder: &'a mut crate::recorder::Recorder,
+    pub recorder: &'a mut crate::observe::recorder::Recorder,
     /// Which lane `peers` is (to tell its requests apart in a trace).
     pub lane: usize,
     pub peers: &'a mut [Option<Box<dyn Connection>>],
@@ -195,7 +195,7 @@ impl Effects for Transfers<'_> {
             .recorder
             .timeline
             .is_some()
-            .then(crate::recorder::ticks);
+            .then(crate::sys::clock::ticks);
         self.act(action, span, from);
         if let (Some(start), Some(t)) = (traced, &mut self.recorder.timeline) {
             let name = match action {

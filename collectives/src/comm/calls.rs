@@ -3,7 +3,7 @@
 
 use transport::Rank;
 
-use crate::args::{CallArgs, VarCounts};
+use crate::call::args::{CallArgs, VarCounts};
 use crate::{Buffers, Collective, Communicator, DataType, Element, ReduceOp, Result};
 
 impl Communicator {

@@ -10,13 +10,26 @@ use std::sync::{Arc, Mutex};
 use transport::Rank;
 
 use crate::algo::{self, Algorithm, Topology};
+use crate::select::tuning::{Profile, Setting};
 use crate::simulate::{self, Cluster, Pipeline};
-use crate::tuning::{Profile, Setting};
 use crate::{Collective, Config, Error, Result};
 
 /// How much faster the profile must predict another algorithm to be than the
 /// built-in choice to take its place.
 const PROFILE_MARGIN: f64 = 1.10;
+
+/// The algorithm forced for `collective` by `COLL_ALGO` (or `--algo`), if
+/// any. A bare name (`ring`) applies to the collectives that have an
+/// algorithm of that name; `allreduce=ring` to that collective only,
+/// where an unknown name is an error when the collective runs.
+pub fn forced_algo(config: &Config, collective: Collective) -> Option<&str> {
+    config
+        .algo
+        .iter()
+        .rev()
+        .find(|(c, a)| c == collective.name() || (c == "*" && algo::find(collective, a).is_some()))
+        .map(|(_, a)| a.as_str())
+}
 
 /// One communicator's algorithm choices.
 pub(crate) struct Selector {
@@ -96,7 +109,7 @@ impl Selector {
         collective: Collective,
         bytes: usize,
     ) -> Result<(&'static Algorithm, String)> {
-        if let Some(name) = config.forced_algo(collective) {
+        if let Some(name) = forced_algo(config, collective) {
             return algo::find(collective, name)
                 .map(|a| (a, "forced by COLL_ALGO or --algo".to_string()))
                 .ok_or_else(|| Error::InvalidArgument {
@@ -208,5 +221,22 @@ fn load_profile(rank: Rank) -> Profile {
             tracing::warn!(rank, "{e}; the selector uses its built-in thresholds");
             Profile::default()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn algo_overrides() {
+        let c = Config {
+            algo: crate::parse_algo("ring, alltoall=pairwise"),
+            ..Config::default()
+        };
+        assert_eq!(forced_algo(&c, Collective::AllReduce), Some("ring"));
+        assert_eq!(forced_algo(&c, Collective::AllToAll), Some("pairwise"));
+        let barrier = forced_algo(&c, Collective::Barrier);
+        assert_eq!(barrier, None, "no barrier is called ring");
     }
 }
