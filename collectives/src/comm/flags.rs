@@ -17,7 +17,7 @@ impl Communicator {
         // connection delivers in order: no message of theirs can be taken
         // for one of a later call #0 or #1).
         self.tiny = TinyState::Off;
-        let seq = self.seq;
+        let seq = self.ids.seq;
         let created = Tiny::create(max);
         let mine = created.as_ref().map_or([0, 0], |(_, id)| *id);
         let mut ids = vec![0u64; 2 * self.size];
@@ -29,7 +29,7 @@ impl Communicator {
         }
         let mut all = [u64::from(opened.is_ok())];
         self.all_reduce_in_place(&mut all, ReduceOp::Min)?;
-        self.seq = seq;
+        self.ids.seq = seq;
         if let (Ok(t), 1) = (opened, all[0]) {
             tracing::debug!(
                 rank = self.rank,

@@ -18,6 +18,8 @@ mod flags;
 pub(crate) mod group;
 pub(crate) mod inflight;
 pub(crate) mod nonblocking;
+mod parts;
+mod progress;
 mod shrink;
 mod split;
 
@@ -27,7 +29,7 @@ use std::time::Instant;
 use transport::{Listener, Rank, RegistrationCache, Transport};
 
 use crate::algo::{Algorithm, Topology};
-use crate::bootstrap::mesh::{self, Conns, LANES};
+use crate::bootstrap::mesh;
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::bootstrap::{self, Bootstrap};
 use crate::call::args::{CallArgs, Peer};
@@ -40,6 +42,7 @@ use crate::observe::recorder::{self, Dump, Recorder, Stats};
 use crate::select::selector::Selector;
 use crate::select::tuning::Setting;
 use crate::{Config, Error, Result};
+use parts::{Ids, Job, Links, Workspace};
 
 /// One rank's view of a job: its peers, its connections, its settings.
 /// Collective calls must be made by every rank, in the same order, with
@@ -49,46 +52,24 @@ use crate::{Config, Error, Result};
 pub struct Communicator {
     pub(crate) rank: Rank,
     pub(crate) size: usize,
-    pub(crate) peers: Vec<PeerInfo>,
-    local_ranks: Vec<Rank>,
-    /// The ranks of each host (see [`hosts`](Self::hosts)).
-    pub(crate) hosts: Vec<Vec<Rank>>,
-    /// Every transport this process offers (children of a split listen on them).
-    pub(crate) available: Vec<Arc<dyn Transport>>,
-    /// Transports some connection uses; buffers are registered with each.
-    pub(crate) transports: Vec<Arc<dyn Transport>>,
-    /// How each rank is reached (`None` for ourselves).
-    via: Vec<Option<&'static str>>,
-    pub(crate) lanes: [Conns; LANES],
-    pub(crate) staging: Staging,
-    pub(crate) registrations: RegistrationCache,
     pub(crate) config: Config,
-    /// Collective calls made so far.
-    pub(crate) seq: u32,
-    /// Point-to-point messages sent to and received from each rank so far:
-    /// their own sequence, so p2p never shifts the collectives'.
-    p2p_sent: Vec<u32>,
-    p2p_received: Vec<u32>,
-    /// This communicator's identity: the session token its connections
-    /// present, and the byte of it every message tag carries.
-    pub(crate) session: u128,
-    /// Splits made so far (each child's token derives from it).
-    pub(crate) splits: u32,
-    /// Agreements on failed ranks made so far (see [`crate::fault::agree`]).
-    pub(crate) agreements: u32,
+    /// Who is in the job and how each rank is reached.
+    pub(crate) job: Job,
+    /// The connections and the memory registered for them.
+    pub(crate) links: Links,
+    /// The numbers that keep calls, messages and children apart.
+    pub(crate) ids: Ids,
     pub(crate) abort: Arc<AbortFlag>,
     /// Why the communicator is unusable, once it is.
     aborted: Option<String>,
-    /// An in-place call's input, copied aside for algorithms that need one.
-    pub(crate) scratch: Vec<u64>,
-    /// Where an out-of-place reduce-scatter reduces.
-    pub(crate) reduce_scatter_buf: Vec<u64>,
+    /// Memory algorithms borrow during a call.
+    pub(crate) workspace: Workspace,
     /// Calls started and not finished, and the executor's reusable memory.
     pub(crate) inflight: InFlight,
     /// The last calls and the counters.
     pub(crate) recorder: Recorder,
     pub(crate) selector: Selector,
-    /// The small-call path, once set up (see `tiny.rs`).
+    /// The small-call path, once set up (see [`crate::tiny`]).
     pub(crate) tiny: crate::tiny::State,
 }
 
@@ -215,30 +196,35 @@ impl Communicator {
             selector: Selector::new(rank, topology, setting),
             rank,
             size,
-            hosts,
-            peers: table.peers,
-            local_ranks,
-            available,
-            transports: mesh.used,
-            via: mesh.via,
-            lanes: mesh.lanes,
-            staging,
-            registrations: RegistrationCache::new(),
             config,
-            seq: 0,
-            p2p_sent: vec![0; size],
-            p2p_received: vec![0; size],
-            session: table.session,
-            splits: 0,
-            agreements: 0,
+            job: Job {
+                hosts,
+                peers: table.peers,
+                local_ranks,
+                via: mesh.via,
+            },
+            links: Links {
+                available,
+                transports: mesh.used,
+                lanes: mesh.lanes,
+                staging,
+                registrations: RegistrationCache::new(),
+            },
+            ids: Ids {
+                session: table.session,
+                seq: 0,
+                p2p_sent: vec![0; size],
+                p2p_received: vec![0; size],
+                splits: 0,
+                agreements: 0,
+            },
             abort,
             aborted: None,
-            scratch: Vec::new(),
-            reduce_scatter_buf: Vec::new(),
+            workspace: Workspace::default(),
             inflight: InFlight::new(spin, rank),
             recorder: Recorder::new(rank, size),
         };
-        crate::observe::status::register(comm.session, &comm.recorder.board);
+        crate::observe::status::register(comm.ids.session, &comm.recorder.board);
         let mut comm = comm;
         comm.set_up_tiny()?;
         Ok(comm)
@@ -247,7 +233,7 @@ impl Communicator {
     /// Where each rank answers status questions (`None`: it published
     /// none), for the diagnosis of a timeout.
     pub(crate) fn status_addresses(&self) -> Vec<Option<std::net::SocketAddr>> {
-        self.peers.iter().map(mesh::status_address).collect()
+        self.job.peers.iter().map(mesh::status_address).collect()
     }
 
     pub fn rank(&self) -> Rank {
@@ -260,26 +246,26 @@ impl Communicator {
 
     /// Ranks on this rank's host, ascending (this rank included).
     pub fn local_ranks(&self) -> &[Rank] {
-        &self.local_ranks
+        &self.job.local_ranks
     }
 
     /// This rank's index among [`local_ranks`](Self::local_ranks).
     pub fn local_rank(&self) -> usize {
-        (self.local_ranks.iter())
+        (self.job.local_ranks.iter())
             .position(|r| *r == self.rank)
             .unwrap()
     }
 
     /// Hostname of `rank`.
     pub fn hostname(&self, rank: Rank) -> &str {
-        &self.peers[rank].hostname
+        &self.job.peers[rank].hostname
     }
 
     /// The ranks grouped by host (ranks that share memory), in rank order.
     /// Hosts are told apart by hostname, boot id and network namespace, so
     /// namespaces posing as hosts on one machine count as separate hosts.
     pub fn hosts(&self) -> Vec<Vec<Rank>> {
-        self.hosts.clone()
+        self.job.hosts.clone()
     }
 
     pub fn config(&self) -> &Config {
@@ -291,22 +277,22 @@ impl Communicator {
     /// reductions over shared memory stage fewer, smaller chunks than the
     /// configured ones (see `COLL_CHUNK` in the README).
     pub fn pipeline(&self, collective: Collective, bytes: usize) -> (usize, usize) {
-        let chunk = self.staging.slot_bytes.min(self.config.chunk_bytes);
+        let chunk = self.links.staging.slot_bytes.min(self.config.chunk_bytes);
         let shared_memory = self.selector.shared_memory();
         match crate::exec::transfers::stages_in_cache(collective, bytes, shared_memory) {
             true => (chunk.min(crate::exec::transfers::CACHED_CHUNK), 1),
-            false => (chunk, self.staging.slots),
+            false => (chunk, self.links.staging.slots),
         }
     }
 
     /// The transports in use: `shm`, `tcp` or `shm+tcp`.
     pub fn transport_summary(&self) -> String {
-        mesh::summary(&self.via)
+        mesh::summary(&self.job.via)
     }
 
     /// The transport that reaches `rank` (`None` for this rank itself).
     pub fn transport_to(&self, rank: Rank) -> Option<&'static str> {
-        self.via[rank]
+        self.job.via[rank]
     }
 
     /// The algorithm a call of `collective` on `bytes` per rank would use.
@@ -370,7 +356,7 @@ impl Communicator {
         Dump {
             rank: self.rank,
             size: self.size,
-            host: self.peers[self.rank].hostname.clone(),
+            host: self.job.peers[self.rank].hostname.clone(),
             pid: std::process::id(),
             reason: reason.to_string(),
             time: std::time::SystemTime::now()
@@ -392,8 +378,9 @@ impl Communicator {
     /// [`deregister_bytes`](Self::deregister_bytes), so calls on it skip
     /// registration (which costs a page pinning per call over verbs).
     pub fn register_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        let transports: Vec<&dyn Transport> = self.transports.iter().map(|t| &**t).collect();
-        self.registrations
+        let transports: Vec<&dyn Transport> = self.links.transports.iter().map(|t| &**t).collect();
+        self.links
+            .registrations
             .get_or_register(transports.iter().copied(), bytes.as_ptr(), bytes.len())
             .map(drop)
             .map_err(|e| Error::InvalidArgument {
@@ -404,7 +391,7 @@ impl Communicator {
 
     /// Forgets a registration made by [`register_bytes`](Self::register_bytes).
     pub fn deregister_bytes(&mut self, bytes: &[u8]) {
-        self.registrations.evict(bytes.as_ptr(), bytes.len());
+        self.links.registrations.evict(bytes.as_ptr(), bytes.len());
     }
 
     /// Any call on byte buffers, described by `args` (see the typed calls
@@ -482,10 +469,10 @@ impl Communicator {
     /// pair's and direction's for point-to-point.
     pub(crate) fn next_seq(&mut self, peer: Option<Peer>) -> u32 {
         let counter = match peer {
-            Some(Peer::To(p)) if p < self.size => &mut self.p2p_sent[p],
-            Some(Peer::From(p)) if p < self.size => &mut self.p2p_received[p],
+            Some(Peer::To(p)) if p < self.size => &mut self.ids.p2p_sent[p],
+            Some(Peer::From(p)) if p < self.size => &mut self.ids.p2p_received[p],
             Some(_) => return 0,
-            None => &mut self.seq,
+            None => &mut self.ids.seq,
         };
         let seq = *counter;
         *counter = counter.wrapping_add(1);
@@ -501,7 +488,7 @@ impl Communicator {
         self.inflight.fail_all(self.rank, reason);
         // The caller gets the error itself; the log only records the abort.
         tracing::info!(rank = self.rank, "aborting the communicator: {reason}");
-        for c in self.lanes.iter_mut().flatten().flatten() {
+        for c in self.links.lanes.iter_mut().flatten().flatten() {
             c.abort(reason);
         }
         // After the connections: a peer that sees we left finds the reason there.
@@ -517,7 +504,7 @@ impl Drop for Communicator {
     /// replaced by the rank; without it, `.rank<R>.json` is appended), and
     /// the trace where `COLL_TRACE` says (the same way).
     fn drop(&mut self) {
-        if self.agreements > 0 {
+        if self.ids.agreements > 0 {
             crate::observe::status::retire(&self.recorder.board);
         }
         if let (Some(t), Some(path)) = (

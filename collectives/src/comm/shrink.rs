@@ -63,7 +63,7 @@ impl Communicator {
         }
         let k = self.next_agreement();
         let deadline = Instant::now() + self.config.timeout;
-        let (listeners, addresses) = super::listen(&self.available).map_err(fail)?;
+        let (listeners, addresses) = super::listen(&self.links.available).map_err(fail)?;
         let wanted: BTreeSet<Rank> = excluded.iter().copied().collect();
         let outcome = self.agree(k, wanted.clone(), Some(addresses), deadline)?;
         let gone: BTreeSet<Rank> = outcome.failed.iter().copied().collect();
@@ -83,7 +83,7 @@ impl Communicator {
             peers.push(PeerInfo {
                 rank: new,
                 addresses,
-                ..self.peers[old].clone()
+                ..self.job.peers[old].clone()
             });
         }
         let new_rank = survivors.iter().position(|r| *r == rank).unwrap();
@@ -91,10 +91,10 @@ impl Communicator {
         let mut shrunk = Communicator::connect(Setup {
             rank: new_rank,
             table: Table {
-                session: derive_token(self.session, &format!("shrink {k}")),
+                session: derive_token(self.ids.session, &format!("shrink {k}")),
                 peers,
             },
-            available: self.available.clone(),
+            available: self.links.available.clone(),
             listeners,
             config: self.config.clone(),
             deadline,
@@ -108,8 +108,8 @@ impl Communicator {
     }
 
     fn next_agreement(&mut self) -> u32 {
-        self.agreements += 1;
-        self.agreements
+        self.ids.agreements += 1;
+        self.ids.agreements
     }
 
     fn agree(
@@ -123,7 +123,7 @@ impl Communicator {
         let members = agree::Members {
             me: self.rank,
             addresses: &addresses,
-            session: self.session,
+            session: self.ids.session,
             board: &self.recorder.board,
         };
         agree::agree(&members, k, known, payload, deadline).map_err(|message| Error::Bootstrap {

@@ -35,15 +35,15 @@ impl Communicator {
             rank,
             message: format!("split: {message}"),
         };
-        let (listeners, addresses) = super::listen(&self.available).map_err(fail)?;
+        let (listeners, addresses) = super::listen(&self.links.available).map_err(fail)?;
         let me = Entry {
             color,
             key,
             info: PeerInfo::new(rank, addresses, self.config.shared_settings()),
         };
         let entries = self.all_gather_json(&me)?;
-        let salt = format!("split {} color {color:?}", self.splits);
-        self.splits += 1;
+        let salt = format!("split {} color {color:?}", self.ids.splits);
+        self.ids.splits += 1;
         let Some(color) = color else {
             return Ok(None);
         };
@@ -61,14 +61,14 @@ impl Communicator {
             })
             .collect();
         let table = Table {
-            session: derive_token(self.session, &salt),
+            session: derive_token(self.ids.session, &salt),
             peers,
         };
         tracing::info!(rank, color, new_rank, size = members.len(), "split");
         Communicator::connect(Setup {
             rank: new_rank,
             table,
-            available: self.available.clone(),
+            available: self.links.available.clone(),
             listeners,
             config: self.config.clone(),
             deadline: Instant::now() + self.config.timeout,
