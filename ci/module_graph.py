@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The folders of a crate's src/ and which import which; fails on a circle.
 
-Usage: python3 ci/module_graph.py [SRC_DIR ...]   (default: collectives/src)
+Usage: python3 ci/module_graph.py [SRC_DIR ...]
+       (default: collectives/src transport/src bench-cli/src)
 
-A node is a folder of src/ or a file at its top (lib.rs excepted). An edge
+A node is a folder of src/ or a file at its top (lib.rs, main.rs excepted). An edge
 A -> B is a `crate::B...` path in a file of A, or a name the crate root
 re-exports from B (`crate::Communicator` is in comm/). Each crate's folders
 must form layers: a circle between two folders means one of them holds
@@ -24,7 +25,7 @@ def nodes_of(src: Path):
     nodes = {}
     for f in sorted(src.rglob("*.rs")):
         rel = f.relative_to(src)
-        if rel.parts == ("lib.rs",):
+        if rel.parts in (("lib.rs",), ("main.rs",)):
             continue
         name = rel.parts[0] if len(rel.parts) > 1 else rel.stem
         nodes.setdefault(name, []).append(f)
@@ -33,7 +34,8 @@ def nodes_of(src: Path):
 
 def reexports(src: Path):
     """Names the crate root re-exports -> the node they come from."""
-    text = (src / "lib.rs").read_text()
+    root = src / "lib.rs" if (src / "lib.rs").exists() else src / "main.rs"
+    text = root.read_text()
     names = {}
     for m in REEXPORT.finditer(text):
         items = m.group(2) or m.group(3)
@@ -91,7 +93,7 @@ def layers(edges):
 
 def main():
     failed = False
-    for src in [Path(a) for a in sys.argv[1:]] or [Path("collectives/src")]:
+    for src in [Path(a) for a in sys.argv[1:]] or [Path(p) for p in ("collectives/src", "transport/src", "bench-cli/src")]:
         edges = edges_of(src)
         order, circle = layers(edges)
         if circle:

@@ -1,4 +1,7 @@
-//! The nccl-tests-style table and the JSON document.
+//! The nccl-tests-style table and the JSON document; `plot` draws result
+//! files as a chart.
+
+pub(crate) mod plot;
 
 use std::io::Write;
 
@@ -139,8 +142,8 @@ pub fn footer(out: &mut dyn Write, s: &Summary, buffers: u64) -> std::io::Result
     writeln!(
         out,
         "# Peak memory per rank : {} (largest rank's VmHWM; its two buffers are {} each)",
-        crate::bench::human_bytes(s.peak_rss_bytes_max),
-        crate::bench::human_bytes(buffers)
+        human_bytes(s.peak_rss_bytes_max),
+        human_bytes(buffers)
     )?;
     writeln!(out, "#")
 }
@@ -162,4 +165,20 @@ pub struct Document<'a> {
     pub summary: &'a Summary,
     /// Rank 0's counters (bytes and messages per peer, calls, waiting).
     pub stats: collectives::Stats,
+}
+
+/// `1 GiB`, `256 MiB`, `8 B`.
+pub fn human_bytes(b: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }

@@ -6,11 +6,13 @@
 use std::io::Write;
 use std::path::PathBuf;
 
+use collectives::bootstrap::Bootstrap;
 use collectives::select::tuning::{self, Entry, Profile};
 use collectives::{algo, Collective, Communicator};
 
-use crate::bench::{human_bytes, Bench};
-use crate::cli::BenchArgs;
+use crate::cli::{BenchArgs, TuneArgs};
+use crate::report::human_bytes;
+use crate::sweep::bench::{self, Bench};
 
 /// The collectives with more than one algorithm, in `ALGORITHMS` order.
 pub fn tunable() -> Vec<Collective> {
@@ -38,7 +40,7 @@ pub fn run(
         false => Profile::default(),
     };
     let max = *sizes.iter().max().expect("at least one size");
-    crate::bench::settle(comm, args.settle).map_err(e)?;
+    bench::settle(comm, args.settle).map_err(e)?;
     let quiet = BenchArgs {
         check: 0,
         ..args.clone()
@@ -135,4 +137,22 @@ const REPETITIONS: usize = 3;
 fn median(samples: &mut [(usize, f64)]) -> (usize, f64) {
     samples.sort_by(|a, b| a.1.total_cmp(&b.1));
     samples[samples.len() / 2]
+}
+
+/// This process is one rank of `collbench tune`.
+pub(crate) fn run_rank(t: &TuneArgs) -> Result<(), String> {
+    let sizes = t.sizes.clone().unwrap_or_else(|| {
+        ["8", "1K", "32K", "256K", "1M", "4M", "16M"]
+            .iter()
+            .map(|s| collectives::parse_size(s).expect("valid"))
+            .collect()
+    });
+    let boot = Bootstrap::from_env()?;
+    // The algorithms are forced one by one; the profile must not decide.
+    let mut comm = Communicator::init(
+        boot,
+        crate::settings::config(Collective::Barrier, &t.bench)?,
+    )
+    .map_err(|e| e.to_string())?;
+    run(&mut comm, &t.bench, &sizes, t.out.clone())
 }

@@ -111,5 +111,5 @@ fn process_limit() -> Option<u64> {
 }
 
 fn human(b: u64) -> String {
-    crate::bench::human_bytes(b)
+    crate::report::human_bytes(b)
 }

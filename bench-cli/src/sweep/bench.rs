@@ -8,9 +8,10 @@ use collectives::{
 };
 
 use crate::cli::BenchArgs;
-use crate::data;
+use crate::report::human_bytes;
 use crate::report::{Mode, Row};
-use crate::skew::Skew;
+use crate::sweep::data;
+use crate::sweep::skew::Skew;
 
 /// The benchmark state of one rank.
 pub struct Bench<'a> {
@@ -377,22 +378,6 @@ pub fn show_bar(rank: usize, k: usize, n: usize, started: Instant) {
     match k < n {
         true => eprint!("\r{}\x1b[K", bar(k, n, started)),
         false => eprint!("\r\x1b[K"),
-    }
-}
-
-/// `1 GiB`, `256 MiB`, `8 B`.
-pub fn human_bytes(b: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = b as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if v.fract() == 0.0 {
-        format!("{v:.0} {}", UNITS[u])
-    } else {
-        format!("{v:.1} {}", UNITS[u])
     }
 }
 
