@@ -27,6 +27,13 @@ else
   echo "note: clippy is not installed; skipping lints"
 fi
 
+step "folders without circles of imports (ci/module_graph.py)"
+python3 ci/module_graph.py
+if cargo doc --version >/dev/null 2>&1; then
+  step "cargo doc without warnings"
+  RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+fi
+
 step "build (release, once)"
 cargo build --release --workspace --all-targets
 

@@ -16,12 +16,45 @@
 //! # Ok::<(), collectives::Error>(())
 //! ```
 //!
-//! Layers, top to bottom: [`Communicator`] (checks a call's [`CallArgs`],
-//! chooses its algorithm, aborts on failure) → [`algo`] (each algorithm
-//! builds a schedule of sends and receives) → `executor` (the rules:
-//! pipelining, staging, ordering; one bounded progress step at a time) →
-//! `transfers` (its effects: transport connections and memory) →
-//! `transport` (bytes between two ranks).
+//! # How it is built
+//!
+//! Each folder of `src/` owns one concept; a folder only imports the ones
+//! below it (`python3 ci/module_graph.py` prints the layers and fails on a
+//! circle), and each folder's `mod.rs` says what it owns and what it may
+//! not touch.
+//!
+//! ```text
+//! comm/       Communicator: set-up, typed calls, calls in flight, non-blocking,
+//!   |         groups, split, shrink                        (the top: imports all)
+//!   +-- select/    which algorithm: COLL_ALGO, measured profile, thresholds
+//!   |     +-- simulate/  a call's time on a virtual cluster, same schedules
+//!   +-- fault/     abort from any thread; agreement on failed ranks (ULFM)
+//!   +-- tiny/      small calls through shared flags, no messages
+//!   +-- exec/      the executor (which step next) and transfers (what it does)
+//!   |     +-- algo/      one file per algorithm; each builds a Schedule
+//!   +-- observe/   flight recorder, timeline, the status port (root causes)
+//!   +-- bootstrap/ who we are, where we meet, the mesh of connections
+//!   +-- call/      what a call is: arguments, buffers, datatypes, reductions
+//!   +-- sys/       clock, doorbell, huge pages, streaming copies, prefetch
+//!   config.rs, error.rs, log.rs: settings, errors and logging, for everyone
+//! ----------------------------------------------------------------------
+//! transport crate: tcp/, shm/, verbs/ behind one Transport trait (bytes
+//! between two ranks; it never sees a datatype)
+//! ```
+//!
+//! How a call flows: a typed call (`comm/calls.rs`) builds [`CallArgs`],
+//! whose shape rules check it before anything moves; `comm/inflight.rs`
+//! gives it a sequence number and its [`CallDesc`] (carried in every
+//! message's tag, so ranks that disagree get an error); a small call on
+//! one host may take the flag path (`tiny/`); otherwise the selector picks
+//! an algorithm (`select/`), the algorithm builds a schedule of sends,
+//! receives, reductions and copies (`algo/`), and `comm/progress.rs`
+//! steps it with the executor (`exec/executor.rs`), whose effects
+//! (`exec/transfers.rs`) post on the transport's connections and reduce
+//! into memory, one bounded step at a time, until it is done, times out
+//! (the status port then names the rank at fault) or is aborted.
+//!
+//! The folder map with every file, for newcomers, is `docs/architecture.md`.
 
 pub mod algo;
 pub mod bootstrap;

@@ -1,9 +1,9 @@
 //! The algorithms, one file each, registered by name in [`ALGORITHMS`]: the
 //! table that the selector, `Config::algo` / `COLL_ALGO` and `collbench
-//! --algo` all read. An algorithm only builds a [`Schedule`]; it never sees a
+//! --algo` all read. An algorithm only builds a `Schedule`; it never sees a
 //! transport.
 //!
-//! Owns: the algorithms and the [`schedule`] format they build (steps,
+//! Owns: the algorithms and the `schedule` format they build (steps,
 //! spans, `after` edges). May not touch: transports, the executor, the
 //! communicator; an algorithm is a pure function of the call's shape.
 
@@ -206,7 +206,7 @@ pub struct Algorithm {
 }
 
 /// Every algorithm, by collective; the first of each collective is its
-/// default, the bandwidth-optimal one that [`select`] falls back to.
+/// default, the bandwidth-optimal one that `select` falls back to.
 pub static ALGORITHMS: &[Algorithm] = &[
     ring::ALLREDUCE,
     direct::ALLREDUCE,
@@ -259,7 +259,7 @@ pub const TREE_MAX_BYTES: usize = 512 << 10;
 pub const HALVING_MIN_BYTES: usize = 256 << 10;
 /// From this many ranks on (more than were measured here), a communicator
 /// without a profile asks the simulator (`simulate::choice`), and AllReduces
-/// too large to simulate then are chosen by [`at_scale`], a table read off it.
+/// too large to simulate then are chosen by `at_scale`, a table read off it.
 pub const SCALE_MIN_RANKS: usize = 17;
 
 /// AllToAlls on [`SCALE_MIN_RANKS`] or more with blocks (per peer) up to
@@ -353,7 +353,7 @@ impl Topology {
     }
 }
 
-/// With [`Topology::crowded_sockets`], AllReduces of 3 or more ranks up to
+/// With `Topology::crowded_sockets`, AllReduces of 3 or more ranks up to
 /// this size take the double binary tree, and AllToAlls of 4 or more with
 /// blocks up to [`CROWDED_BRUCK_MAX_BLOCK_BYTES`] Bruck's algorithm: each
 /// sends fewer messages than direct (n-1 per rank), the ring (2(n-1)) or
@@ -369,7 +369,7 @@ impl Topology {
 /// (4 ranks, 128 KiB: the tree 2.3x its time).
 pub const CROWDED_TREE_MAX_BYTES: usize = 256 << 10;
 pub const CROWDED_BRUCK_MAX_BLOCK_BYTES: usize = 16 << 10;
-/// With [`Topology::crowded_sockets`], AllGathers of 3 or more ranks up to
+/// With `Topology::crowded_sockets`, AllGathers of 3 or more ranks up to
 /// this size (all blocks together) take Bruck's: log2(n) messages per rank
 /// instead of the ring's n-1, each waiting for a rank to be scheduled.
 /// Over loopback TCP on 2 cores (paired time ratios to the ring, 3 rounds):
@@ -378,15 +378,15 @@ pub const CROWDED_BRUCK_MAX_BLOCK_BYTES: usize = 16 << 10;
 /// 1.7-1.9x its), 0.61 / 0.63 / 0.84 / 0.79 / 0.74 on 4, 0.64 / 0.88 at
 /// 16 KiB / 1 MiB on 6, 0.91 / 0.97 on 3; at 4 MiB 1.08 / 1.11 on 4 / 8.
 pub const CROWDED_BRUCK_ALLGATHER_MAX_BYTES: usize = 1 << 20;
-/// With [`Topology::crowded_sockets`], ReduceScatters of 3 or more ranks
-/// (other than the powers of two that [`select`] gives recursive halving)
+/// With `Topology::crowded_sockets`, ReduceScatters of 3 or more ranks
+/// (other than the powers of two that `select` gives recursive halving)
 /// with blocks up to this size take the tree: the whole buffer 2 log2(n)
 /// hops instead of a block n-1 times around the ring. Over loopback TCP on
 /// 2 cores (paired time ratios to the ring, 3 rounds): 0.77 / 1.43 at 1 /
 /// 64 KiB on 3 ranks, 0.37 / 0.88 / 1.14 at 1 / 64 / 128 KiB on 5, 0.35 /
 /// 0.42 / 0.72 / 1.35 at 1 / 16 / 64 / 256 KiB on 6.
 pub const CROWDED_TREE_REDUCE_SCATTER_MAX_BLOCK: usize = 16 << 10;
-/// With [`Topology::crowded_sockets`], Reduces on these many ranks up to
+/// With `Topology::crowded_sockets`, Reduces on these many ranks up to
 /// [`CROWDED_DIRECT_REDUCE_MAX_BYTES`] go direct: a non-root only sends, so
 /// it never waits for a peer to be scheduled, and the root takes each
 /// peer's messages of many calls in one read. Over loopback TCP on 2 cores

@@ -1,4 +1,4 @@
-//! Seeing what a rank does and where it is: the flight [`recorder`] (the
+//! Seeing what a rank does and where it is: the flight `recorder` (the
 //! last calls, dumped when a call fails), the Chrome-trace `timeline`, what
 //! an unfinished call waits on, and the [`status`] port that answers "where
 //! are you" from other ranks (the root cause of a timeout) and, for the
@@ -6,7 +6,7 @@
 //!
 //! Owns: records, dumps and answers. May not touch: the executor or the
 //! communicator (they call in; it never calls out), and it never decides
-//! anything: the agreement's protocol is in [`crate::fault`].
+//! anything: the agreement's protocol is in `crate::fault`.
 
 pub(crate) mod ballot;
 pub(crate) mod recorder;

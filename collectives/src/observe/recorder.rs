@@ -267,7 +267,7 @@ impl Recorder {
     }
 }
 
-/// Counters of one communicator (see [`Communicator::stats`]).
+/// Counters of one communicator (see [`Communicator::stats`](crate::Communicator::stats)).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Stats {
     /// Per peer rank: bytes and messages this rank posted to it and from it.

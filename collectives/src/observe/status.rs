@@ -5,13 +5,13 @@
 //! the culprit).
 //!
 //! Each process answers on a TCP port of its own, from a thread of its own
-//! ([`listen`]), so a rank that is computing or blocked in another call
+//! (`listen`), so a rank that is computing or blocked in another call
 //! still answers; a stopped or hung process cannot, and that is the answer.
 //! The port is published at the rendezvous next to the transports'
 //! addresses; a question names the communicator by its session token (what
 //! its connections present), so only members can ask.
 //!
-//! Each communicator keeps its position on a [`Board`]: the newest
+//! Each communicator keeps its position on a `Board`: the newest
 //! collective it started and its phase (a few plain stores per call), and
 //! what its oldest running call waits on (written only when the rank sleeps).
 //! [`verdict`] turns everyone's position into one sentence; `collbench

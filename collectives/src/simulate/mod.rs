@@ -26,7 +26,7 @@ use crate::exec::executor::{Execution, Windows};
 use crate::{Collective, DataType};
 
 /// The most schedule steps a simulation holds (every rank's whole schedule
-/// is in memory, about [`BYTES_PER_STEP`] each with its executor state: a
+/// is in memory, about `BYTES_PER_STEP` each with its executor state: a
 /// 32-byte step, its 8-byte state, its place in its queue): a 4096-rank
 /// ring AllReduce has 67 million (2.9 GB).
 pub const MAX_STEPS: usize = 100_000_000;
