@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (the README's): formatting and lints, one
 # release build, every test from that build (the C ABI's included), then the
-# checked collbench runs that show the main job works, the overlap example,
+# checked collbench runs that show the main job works, the runnable blocks
+# of README.md and docs/ (ci/doc_blocks.py), the overlap example,
 # the Python package and torch backend (ci/python.sh), a smoke run of the
 # Open MPI comparison when mpicc is there, and (as root) the verbs tests on
 # soft-RoCE in a VM. Needs the Rust toolchain and python3; .ci/run installs
@@ -77,6 +78,12 @@ done
 
 step "the main job: 8 ranks x 1 GiB"
 $bench allreduce -n 8 --size 1G
+
+# Blocks marked `sh runnable` in README.md and docs/*.md, with target/release
+# on the PATH, and every link of those pages (COLL_DOC_NEEDS=mpi,torch,...
+# adds the blocks that need more than the build: see the script).
+step "the README's and docs' runnable blocks"
+python3 ci/doc_blocks.py
 
 step "collbench tune writes a profile; the selector then follows it"
 $bench tune -n 4 --out target/tune-profile.tsv
