@@ -73,6 +73,19 @@ pub mod simulate;
 mod sys;
 mod tiny;
 
+/// The Rust examples of the README and the docs, compiled by `cargo test
+/// --doc` so that they stay true to the API (their other runnable blocks are
+/// run by `ci/doc_blocks.py`).
+#[cfg(doctest)]
+mod doc_examples {
+    #[doc = include_str!("../../README.md")]
+    struct Readme;
+    #[doc = include_str!("../../docs/rust.md")]
+    struct RustGuide;
+    #[doc = include_str!("../../docs/operating.md")]
+    struct Operating;
+}
+
 pub use bootstrap::Bootstrap;
 pub use call::args::{CallArgs, Peer, VarCounts};
 pub use call::buffers::Buffers;
