@@ -50,7 +50,21 @@
 //! |---|---|---|---|---|---|
 //! | [`tcp`] | `ip:port`, hello with token, two streams | none | framed, numbered messages read into the posted buffer; small ones share a stream, large ones take one per direction | socket buffers, TCP window | socket fds |
 //! | [`shm`] | abstract Unix socket; segment fd passed with `SCM_RIGHTS` | none | slot rings; large messages read with `process_vm_readv` | ring slots are credits | doorbell byte on the socket |
-//! | verbs (next) | QP number, GID, PSN | `ibv_reg_mr`, cached | RDMA WRITE with immediate into posted buffers | receive credits | completion channel fd |
+//! | `verbs` (feature) | QP number, GID, PSN | `ibv_reg_mr`, cached | RDMA WRITE with immediate into posted buffers | receive credits | completion channel fd |
+//!
+//! # Where things are
+//!
+//! Each transport is a folder that implements the same three traits, in
+//! the same places: `mod.rs` the [`Transport`] (and, for `shm` and
+//! `verbs`, the [`Listener`]; `tcp/listener.rs` for TCP's), and
+//! `connection.rs` the [`Connection`]. What is particular to one lives
+//! beside it: `shm/segment.rs` (the slot rings), `shm/costs.rs` (whether
+//! help pays), `shm/shared_buffer.rs` and `shm/peer_maps.rs` (memory peers
+//! map), `verbs/device.rs` (device, port and GID). Shared by all:
+//! `wire.rs` (the hello and the message header), `memory.rs`
+//! (registration and its cache), `poller.rs` (waiting with a deadline),
+//! `two_ways.rs` (choosing between two ways by timing both), `error.rs`.
+//! Nothing here knows a datatype, a collective or the `collectives` crate.
 
 mod error;
 #[cfg(test)]
