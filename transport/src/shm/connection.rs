@@ -450,7 +450,7 @@ impl ShmConnection {
         let (seq, peer, at) = (self.tail, self.peer, self.piece_at);
         let inc = self.recvs.front_mut().expect("a receive is posted");
         if at == 0 {
-            check_fragment(peer, &desc, inc)?;
+            check_fragment(peer, &desc, inc, self.remote_reads)?;
         }
         let (offset, len) = (desc.offset as usize, desc.len as usize);
         // SAFETY: the irecv contract makes data..data+len ours to write, and
@@ -655,8 +655,11 @@ enum Take {
     Whole { read: bool },
 }
 
-/// Checks a fragment against the receive it lands in.
-fn check_fragment(peer: Rank, desc: &Desc, inc: &Incoming) -> Result<()> {
+/// Checks a fragment the peer described against the receive it lands in
+/// and the mode both sides agreed on, before a byte moves: the peer writes
+/// the descriptor, so every field is untrusted (and sums are checked, since
+/// a wrapped `offset + len` would pass a plain comparison in release).
+fn check_fragment(peer: Rank, desc: &Desc, inc: &Incoming, remote_reads: bool) -> Result<()> {
     if desc.offset == 0 && (desc.tag != inc.tag || desc.msg_len as usize != inc.len) {
         return Err(Error::Mismatch {
             peer,
@@ -666,13 +669,28 @@ fn check_fragment(peer: Rank, desc: &Desc, inc: &Incoming) -> Result<()> {
             got_len: desc.msg_len as usize,
         });
     }
-    let (offset, len) = (desc.offset as usize, desc.len as usize);
-    if offset != inc.received || offset + len > inc.len {
-        return Err(Error::Invalid(format!(
-            "peer rank {peer} sent a fragment out of order"
-        )));
+    let bad = |what: String| Err(Error::Invalid(format!("peer rank {peer} sent {what}")));
+    let (Ok(offset), Ok(len)) = (usize::try_from(desc.offset), usize::try_from(desc.len)) else {
+        return bad("a fragment whose offset or length does not fit in memory".into());
+    };
+    if offset != inc.received || offset.checked_add(len).is_none_or(|end| end > inc.len) {
+        return bad(format!(
+            "a fragment out of order or past the receive: bytes {offset}+{len} of a {}-byte \
+             message, {} received",
+            inc.len, inc.received
+        ));
     }
-    Ok(())
+    match desc.kind {
+        k if k == Kind::Eager as u32 && len > SLOT_BYTES => bad(format!(
+            "an eager fragment of {len} bytes, more than a slot's {SLOT_BYTES}"
+        )),
+        k if k == Kind::Eager as u32 => Ok(()),
+        k if k == Kind::Remote as u32 && remote_reads => Ok(()),
+        k if k == Kind::Remote as u32 => {
+            bad("a fragment to read from its memory, a mode the two ranks did not agree on".into())
+        }
+        k => bad(format!("a fragment of unknown kind {k}")),
+    }
 }
 
 /// Reads `len` bytes at `addr` in process `pid` into `dst` (CMA).
@@ -888,5 +906,83 @@ impl Connection for ShmConnection {
 impl Drop for ShmConnection {
     fn drop(&mut self) {
         self.revoke_offers();
+    }
+}
+
+#[cfg(test)]
+mod fragment_checks {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    fn receive(len: usize, received: usize) -> Incoming {
+        Incoming {
+            data: std::ptr::null_mut(),
+            len,
+            tag: 7,
+            received,
+            peer_writes: false,
+            in_pieces: false,
+        }
+    }
+
+    fn fragment(offset: u64, len: u64, msg_len: u64, kind: u32) -> Desc {
+        Desc {
+            tag: 7,
+            msg_len,
+            offset,
+            len,
+            remote: 0,
+            kind,
+            region_fd: -1,
+            region_ino: 0,
+            region_offset: 0,
+        }
+    }
+
+    #[test]
+    fn a_fragment_past_the_receive_is_refused_even_when_its_end_wraps() {
+        // What a hostile peer sent: 1 byte at 0, then 2^64 - 1 bytes at 1.
+        let inc = receive(8, 1);
+        let eager = Kind::Eager as u32;
+        let e = check_fragment(3, &fragment(1, u64::MAX, 8, eager), &inc, true).unwrap_err();
+        assert!(e.to_string().contains("peer rank 3"), "{e}");
+        let slot = SLOT_BYTES as u64;
+        let big = receive(4 * SLOT_BYTES, 0);
+        let msg = 4 * slot;
+        assert!(check_fragment(3, &fragment(0, slot + 1, msg, eager), &big, true).is_err());
+        assert!(check_fragment(3, &fragment(0, slot, msg, eager), &big, true).is_ok());
+        let remote = Kind::Remote as u32;
+        assert!(check_fragment(3, &fragment(0, msg, msg, remote), &big, false).is_err());
+        assert!(check_fragment(3, &fragment(0, msg, msg, remote), &big, true).is_ok());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(4096))]
+
+        /// Whatever a peer writes in a descriptor, an accepted fragment lies
+        /// inside the posted receive, right after what was received, within a
+        /// slot if the bytes are in one, and read remotely only if agreed.
+        #[test]
+        fn an_accepted_fragment_lies_inside_the_receive(
+            offset in prop_oneof![0u64..64, any::<u64>()],
+            len in prop_oneof![0u64..(2 * SLOT_BYTES as u64), any::<u64>()],
+            kind in 0u32..4,
+            inc_len in 0usize..(4 * SLOT_BYTES),
+            received in 0usize..64,
+            remote_reads in any::<bool>(),
+        ) {
+            let inc = receive(inc_len, received.min(inc_len));
+            let desc = fragment(offset, len, inc_len as u64, kind);
+            if check_fragment(1, &desc, &inc, remote_reads).is_ok() {
+                prop_assert_eq!(offset as usize, inc.received);
+                prop_assert!(u128::from(offset) + u128::from(len) <= inc_len as u128);
+                match kind {
+                    k if k == Kind::Eager as u32 => prop_assert!(len as usize <= SLOT_BYTES),
+                    k if k == Kind::Remote as u32 => prop_assert!(remote_reads),
+                    _ => prop_assert!(false, "unknown kind accepted"),
+                }
+            }
+        }
     }
 }
