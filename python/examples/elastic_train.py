@@ -122,7 +122,8 @@ def train() -> int:
             dist.broadcast(at, src=0)
             step = int(at)
             lost.append(time.perf_counter() - started)
-            say(f"rank {first_rank}: {type(e).__name__}; ranks {failed} of the group failed; shrunk to "
+            why = (str(e).splitlines() or [""])[0][:160]
+            say(f"rank {first_rank}: {type(e).__name__} ({why}); ranks {failed} of the group failed; shrunk to "
                 f"{dist.get_world_size()} ranks in {lost[-1] * 1e3:.0f} ms, resuming at step {step}")
             continue
         with torch.no_grad():

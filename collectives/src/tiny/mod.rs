@@ -71,6 +71,11 @@ pub(crate) struct Tiny {
     /// Every rank's segment, by rank (ours writable).
     segments: Vec<Segment>,
     pids: Vec<i32>,
+    /// A pidfd per peer (`None` for ourselves, or where the kernel has
+    /// none): readable once the process has exited, even before its parent
+    /// reaps it. A killed rank stays a zombie while its launcher waits for
+    /// another rank, and `kill(pid, 0)` still finds a zombie.
+    pidfds: Vec<Option<OwnedFd>>,
     /// Largest data per call.
     pub max_bytes: usize,
     /// Flag calls made: every rank makes the same ones.
@@ -151,6 +156,9 @@ impl Tiny {
             me,
             segments,
             pids: ids.iter().map(|[pid, _]| *pid as i32).collect(),
+            pidfds: (ids.iter().enumerate())
+                .map(|(r, [pid, _])| (r != me).then(|| pidfd(*pid as i32)).flatten())
+                .collect(),
             max_bytes,
             calls: 0,
             published: 0,
@@ -490,9 +498,12 @@ impl Tiny {
         let (r, j) = self.awaited(call);
         let tag = self.history[(j % SLOTS) as usize].0;
         let seq = CallDesc::from_tag(tag).map_or(0, |d| d.seq);
-        let pid = rustix::process::Pid::from_raw(self.pids[r]);
-        let dead = pid
-            .is_some_and(|p| rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH));
+        let dead = match &self.pidfds[r] {
+            Some(fd) => exited(fd),
+            None => rustix::process::Pid::from_raw(self.pids[r]).is_some_and(|p| {
+                rustix::process::test_kill_process(p) == Err(rustix::io::Errno::SRCH)
+            }),
+        };
         let line = self.segments[r].control();
         let left = Segment::word(line, LEFT).load(Ordering::Acquire) != 0;
         let general = Segment::word(line, 0).load(Ordering::Acquire);
@@ -565,6 +576,23 @@ impl Drop for Tiny {
     fn drop(&mut self) {
         self.leave();
     }
+}
+
+/// A pidfd of process `pid`, if the kernel gives one (Linux 5.3 and later).
+fn pidfd(pid: i32) -> Option<OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(pid)?;
+    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+}
+
+/// Whether the process behind `pidfd` has exited (a zombie included).
+fn exited(pidfd: &OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    poll(&mut fds, Some(&now)).is_ok_and(|n| n > 0)
 }
 
 /// The CPU this thread runs on, plus one, as the CPU words hold it (0 is
