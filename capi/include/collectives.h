@@ -220,7 +220,8 @@ extern "C" {
  * dead peer, is the request's result.
  *
  * # Safety
- * `comm` must be a live communicator, `call` NULL or valid, its buffers
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `call` NULL or valid, its buffers
  * valid for what its count stands for until the request is done; `request`
  * NULL or valid for a write.
  */
@@ -241,7 +242,7 @@ collResult_t collCall(collComm_t comm, const collCall_t *call);
  * `recvbuff[i] = op over ranks of sendbuff[i]`, `count` elements.
  *
  * # Safety
- * Buffers valid for `count` elements; `comm` live.
+ * Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collAllReduce(const void *sendbuff,
                            void *recvbuff,
@@ -255,7 +256,7 @@ collResult_t collAllReduce(const void *sendbuff,
  * of `recvbuff` comes from rank `j`.
  *
  * # Safety
- * Buffers valid for `count * nranks` elements; `comm` live.
+ * Buffers valid for `count * nranks` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collAllToAll(const void *sendbuff,
                           void *recvbuff,
@@ -272,7 +273,7 @@ collResult_t collAllToAll(const void *sendbuff,
  *
  * # Safety
  * Count arrays valid for `nranks` entries; buffers for the blocks they
- * describe; `comm` live.
+ * describe (`comm` may be any handle: one not live is refused).
  */
 collResult_t collAllToAllv(const void *sendbuff,
                            const size_t *sendcounts,
@@ -288,7 +289,7 @@ collResult_t collAllToAllv(const void *sendbuff,
  * ranks of `sendbuff` (`recvcount * nranks` elements).
  *
  * # Safety
- * Buffers valid for their counts; `comm` live.
+ * Buffers valid for their counts (`comm` may be any handle: one not live is refused).
  */
 collResult_t collReduceScatter(const void *sendbuff,
                                void *recvbuff,
@@ -301,7 +302,7 @@ collResult_t collReduceScatter(const void *sendbuff,
  * Block `j` of `recvbuff` (`sendcount` elements each) = rank `j`'s `sendbuff`.
  *
  * # Safety
- * Buffers valid for their counts; `comm` live.
+ * Buffers valid for their counts (`comm` may be any handle: one not live is refused).
  */
 collResult_t collAllGather(const void *sendbuff,
                            void *recvbuff,
@@ -314,7 +315,7 @@ collResult_t collAllGather(const void *sendbuff,
  * root only).
  *
  * # Safety
- * Buffers valid for `count` elements; `comm` live.
+ * Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collBroadcast(const void *sendbuff,
                            void *recvbuff,
@@ -328,7 +329,7 @@ collResult_t collBroadcast(const void *sendbuff,
  * written on the root only and may be NULL elsewhere).
  *
  * # Safety
- * Buffers valid for `count` elements; `comm` live.
+ * Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collReduce(const void *sendbuff,
                         void *recvbuff,
@@ -344,7 +345,7 @@ collResult_t collReduce(const void *sendbuff,
  * collectives.
  *
  * # Safety
- * `sendbuff` valid for `count` elements; `comm` live.
+ * `sendbuff` valid for `count` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collSend(const void *sendbuff,
                       size_t count,
@@ -356,7 +357,7 @@ collResult_t collSend(const void *sendbuff,
  * Receives `count` elements from `peer`.
  *
  * # Safety
- * `recvbuff` valid for `count` elements; `comm` live.
+ * `recvbuff` valid for `count` elements (`comm` may be any handle: one not live is refused).
  */
 collResult_t collRecv(void *recvbuff,
                       size_t count,
@@ -423,7 +424,8 @@ collResult_t collCommInitFromEnv(collComm_t *comm);
  * It blocks, and the child is blocking or not as `comm` is.
  *
  * # Safety
- * `comm` must be a live communicator; `newcomm` NULL or valid for a write.
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `newcomm` NULL or valid for a write.
  */
 collResult_t collCommSplit(collComm_t comm, int color, int key, collComm_t *newcomm);
 
@@ -437,7 +439,8 @@ collResult_t collCommSplit(collComm_t comm, int color, int key, collComm_t *newc
  * `capacity` too small is collInvalidArgument, with `*count` set).
  *
  * # Safety
- * `comm` must be a live communicator; `ranks` valid for `capacity` writes
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `ranks` valid for `capacity` writes
  * (or NULL with `capacity` 0); `count` valid for a write.
  */
 collResult_t collCommGetFailedRanks(collComm_t comm, int *ranks, int capacity, int *count);
@@ -454,7 +457,8 @@ collResult_t collCommGetFailedRanks(collComm_t comm, int *ranks, int capacity, i
  * during the shrink, it fails: get the failed ranks and shrink again.
  *
  * # Safety
- * `comm` must be a live communicator; `excludeRanks` valid for
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `excludeRanks` valid for
  * `excludeCount` reads (or NULL with 0); `newcomm` valid for a write;
  * `config` NULL or initialized from COLL_CONFIG_INITIALIZER.
  */
@@ -469,7 +473,8 @@ collResult_t collCommShrink(collComm_t comm,
  * The number of ranks of `comm`.
  *
  * # Safety
- * `comm` must be a live communicator; `count` NULL or valid for a write.
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `count` NULL or valid for a write.
  */
 collResult_t collCommCount(collComm_t comm, int *count);
 
@@ -477,19 +482,20 @@ collResult_t collCommCount(collComm_t comm, int *count);
  * This process's rank in `comm`.
  *
  * # Safety
- * `comm` must be a live communicator; `rank` NULL or valid for a write.
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `rank` NULL or valid for a write.
  */
 collResult_t collCommUserRank(collComm_t comm, int *rank);
 
 /**
  * Aborts `comm` and frees it, as ncclCommAbort: a call blocked on it in
  * another thread returns at once with an error, every peer's pending or
- * next call fails naming this rank ("peer rank R aborted"). `comm` must
- * not be used afterwards (a thread still inside a call on it returns
- * before this does).
+ * next call fails naming this rank ("peer rank R aborted"). Afterwards
+ * `comm` is refused (a thread still inside a call on it returns before
+ * this does).
  *
  * # Safety
- * `comm` must be NULL or a live communicator.
+ * `comm`: any handle (NULL does nothing; one not live is refused).
  */
 collResult_t collCommAbort(collComm_t comm);
 
@@ -504,7 +510,8 @@ collResult_t collCommAbort(collComm_t comm);
  * `reason` (NULL: "revoked") is what the errors say.
  *
  * # Safety
- * `comm` must be NULL or a live communicator; `reason` NULL or a
+ * `comm`: any handle (NULL does nothing; one not live is refused);
+ * `reason` NULL or a
  * NUL-terminated string.
  */
 collResult_t collCommRevoke(collComm_t comm, const char *reason);
@@ -514,7 +521,8 @@ collResult_t collCommRevoke(collComm_t comm, const char *reason);
  * see it leave).
  *
  * # Safety
- * `comm` must be NULL or a live communicator, not used afterwards.
+ * `comm`: any handle (NULL does nothing; one already destroyed or aborted
+ * is refused with collInvalidArgument).
  */
 collResult_t collCommDestroy(collComm_t comm);
 
@@ -530,7 +538,7 @@ const char *collGetErrorString(collResult_t result);
  * failure it would report.
  *
  * # Safety
- * `comm` must be NULL or a live communicator.
+ * `comm`: any handle (NULL does nothing; one not live is refused).
  */
 const char *collGetLastError(collComm_t comm);
 
@@ -540,7 +548,8 @@ const char *collGetLastError(collComm_t comm);
  * collGetLastError). A blocking communicator reports collSuccess.
  *
  * # Safety
- * `comm` must be a live communicator; `asyncError` NULL or valid for a write.
+ * `comm`: any handle (one not live is refused with collInvalidArgument);
+ * `asyncError` NULL or valid for a write.
  */
 collResult_t collCommGetAsyncError(collComm_t comm, collResult_t *asyncError);
 

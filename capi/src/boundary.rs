@@ -2,8 +2,10 @@
 //! and remembered as text, C enum values converted explicitly.
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::ffi::{c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use collectives::{AsyncCommunicator, DataType, ErrorKind, ReduceOp};
 
@@ -99,34 +101,64 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic".into())
 }
 
-/// The communicator behind a handle, or `None` for a null one.
-///
-/// # Safety
-/// A non-null `comm` must come from `collCommInit*`/`collCommSplit` and not
-/// have been destroyed or aborted.
-pub(crate) unsafe fn comm_ref<'a>(comm: collComm_t) -> Option<&'a collComm> {
-    // SAFETY: the caller's promise; null is checked by `as_ref`.
-    unsafe { comm.as_ref() }
+/// Every live communicator, by its handle (the address C holds). A handle
+/// not here (destroyed, aborted, never made) is refused with
+/// collInvalidArgument instead of being followed. Calls hold a clone while
+/// they run, so a communicator destroyed meanwhile is freed when the last
+/// one returns, never under it.
+static LIVE: Mutex<BTreeMap<usize, Arc<collComm>>> = Mutex::new(BTreeMap::new());
+
+fn live() -> MutexGuard<'static, BTreeMap<usize, Arc<collComm>>> {
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs `f` on the communicator behind `comm` (one thread at a time),
+/// Makes `comm` live and gives its handle.
+pub(crate) fn register(comm: collComm) -> collComm_t {
+    let comm = Arc::new(comm);
+    let handle = Arc::as_ptr(&comm).cast_mut();
+    live().insert(handle as usize, comm);
+    handle
+}
+
+/// The live communicator behind `comm`.
+pub(crate) fn lookup(comm: collComm_t) -> Result<Arc<collComm>, Failure> {
+    if comm.is_null() {
+        return Err(Failure::invalid("comm is NULL"));
+    }
+    live()
+        .get(&(comm as usize))
+        .cloned()
+        .ok_or_else(|| not_live(comm))
+}
+
+/// Takes `comm` out of the live ones (collCommDestroy, collCommAbort).
+pub(crate) fn unregister(comm: collComm_t) -> Result<Arc<collComm>, Failure> {
+    live()
+        .remove(&(comm as usize))
+        .ok_or_else(|| not_live(comm))
+}
+
+fn not_live(comm: collComm_t) -> Failure {
+    Failure::invalid(format!(
+        "comm {comm:?} is not a live communicator (destroyed, aborted, or never made)"
+    ))
+}
+
+/// Runs `f` on the live communicator behind `comm` (one thread at a time),
 /// behind the boundary. The outcome is recorded before the lock is given
-/// up: `collCommAbort`, waiting for the lock, may free the communicator
-/// the moment it is.
-///
-/// # Safety
-/// As [`comm_ref`].
-pub(crate) unsafe fn with_comm(
+/// up: `collCommAbort`, waiting for the lock, may end the communicator the
+/// moment it is.
+pub(crate) fn with_comm(
     comm: collComm_t,
     f: impl FnOnce(&collComm, &AsyncCommunicator) -> Result<(), Failure>,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let Some(c) = (unsafe { comm_ref(comm) }) else {
-        return guard(None, || Err(Failure::invalid("comm is NULL")));
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
     };
     let inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
-    let outcome = catch(|| f(c, &inner));
-    let code = record(Some(c), outcome);
+    let outcome = catch(|| f(&c, &inner));
+    let code = record(Some(&c), outcome);
     drop(inner);
     code
 }

@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_void};
 
 use collectives::{AsyncCommunicator, Buffers, CallArgs, Collective, DataType, VarCounts};
 
-use crate::boundary::{comm_ref, dtype, rank_arg, redop, with_comm, Failure};
+use crate::boundary::{dtype, lookup, rank_arg, redop, with_comm, Failure};
 use crate::request::{self, collRequest_t};
 use crate::{collComm, collComm_t, collResult_t, group, DataTypeArg, RedOpArg};
 
@@ -144,7 +144,8 @@ fn call_type(raw: CallTypeArg) -> Result<collCallType_t, Failure> {
 /// dead peer, is the request's result.
 ///
 /// # Safety
-/// `comm` must be a live communicator, `call` NULL or valid, its buffers
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `call` NULL or valid, its buffers
 /// valid for what its count stands for until the request is done; `request`
 /// NULL or valid for a write.
 #[no_mangle]
@@ -193,8 +194,7 @@ unsafe fn run(
     call: &collCall_t,
     request: Option<*mut collRequest_t>,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let n = unsafe { comm_ref(comm) }.map_or(0, |c| c.size as usize);
+    let n = lookup(comm).map_or(0, |c| c.size as usize);
     // SAFETY: the caller's promise (count arrays of `n` entries).
     let args = || unsafe { call.args(n) };
     let (send, recv) = (call.sendbuff.cast::<u8>(), call.recvbuff.cast::<u8>());
@@ -267,7 +267,7 @@ unsafe fn background(
 /// `recvbuff[i] = op over ranks of sendbuff[i]`, `count` elements.
 ///
 /// # Safety
-/// Buffers valid for `count` elements; `comm` live.
+/// Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collAllReduce(
     sendbuff: *const c_void,
@@ -292,7 +292,7 @@ pub unsafe extern "C" fn collAllReduce(
 /// of `recvbuff` comes from rank `j`.
 ///
 /// # Safety
-/// Buffers valid for `count * nranks` elements; `comm` live.
+/// Buffers valid for `count * nranks` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collAllToAll(
     sendbuff: *const c_void,
@@ -319,7 +319,7 @@ pub unsafe extern "C" fn collAllToAll(
 ///
 /// # Safety
 /// Count arrays valid for `nranks` entries; buffers for the blocks they
-/// describe; `comm` live.
+/// describe (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collAllToAllv(
     sendbuff: *const c_void,
@@ -348,7 +348,7 @@ pub unsafe extern "C" fn collAllToAllv(
 /// ranks of `sendbuff` (`recvcount * nranks` elements).
 ///
 /// # Safety
-/// Buffers valid for their counts; `comm` live.
+/// Buffers valid for their counts (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collReduceScatter(
     sendbuff: *const c_void,
@@ -372,7 +372,7 @@ pub unsafe extern "C" fn collReduceScatter(
 /// Block `j` of `recvbuff` (`sendcount` elements each) = rank `j`'s `sendbuff`.
 ///
 /// # Safety
-/// Buffers valid for their counts; `comm` live.
+/// Buffers valid for their counts (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collAllGather(
     sendbuff: *const c_void,
@@ -395,7 +395,7 @@ pub unsafe extern "C" fn collAllGather(
 /// root only).
 ///
 /// # Safety
-/// Buffers valid for `count` elements; `comm` live.
+/// Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collBroadcast(
     sendbuff: *const c_void,
@@ -420,7 +420,7 @@ pub unsafe extern "C" fn collBroadcast(
 /// written on the root only and may be NULL elsewhere).
 ///
 /// # Safety
-/// Buffers valid for `count` elements; `comm` live.
+/// Buffers valid for `count` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collReduce(
     sendbuff: *const c_void,
@@ -448,7 +448,7 @@ pub unsafe extern "C" fn collReduce(
 /// collectives.
 ///
 /// # Safety
-/// `sendbuff` valid for `count` elements; `comm` live.
+/// `sendbuff` valid for `count` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collSend(
     sendbuff: *const c_void,
@@ -470,7 +470,7 @@ pub unsafe extern "C" fn collSend(
 /// Receives `count` elements from `peer`.
 ///
 /// # Safety
-/// `recvbuff` valid for `count` elements; `comm` live.
+/// `recvbuff` valid for `count` elements (`comm` may be any handle: one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collRecv(
     recvbuff: *mut c_void,

@@ -8,14 +8,16 @@ use std::time::Duration;
 use collectives::bootstrap::UniqueId;
 use collectives::{AsyncCommunicator, Communicator, Config};
 
-use crate::boundary::{comm_ref, guard, put, thread_last_error, with_comm, Failure};
+use crate::boundary::{
+    guard, lookup, put, register, thread_last_error, unregister, with_comm, Failure,
+};
 use crate::{
     collComm, collComm_t, collConfig_t, collResult_t, collUniqueId, ResultArg, COLL_CONFIG_MAGIC,
 };
 
 fn wrap(comm: Communicator, blocking: bool) -> collComm_t {
     let (rank, size) = (comm.rank() as c_int, comm.size() as c_int);
-    Box::into_raw(Box::new(collComm {
+    register(collComm {
         abort: comm.abort_handle(),
         comm: Mutex::new(AsyncCommunicator::new(comm)),
         blocking,
@@ -23,7 +25,7 @@ fn wrap(comm: Communicator, blocking: bool) -> collComm_t {
         last_error: Mutex::new(CString::default()),
         rank,
         size,
-    }))
+    })
 }
 
 /// The settings a config asks for: (blocking, the library's config).
@@ -147,7 +149,8 @@ pub unsafe extern "C" fn collCommInitFromEnv(comm: *mut collComm_t) -> collResul
 /// It blocks, and the child is blocking or not as `comm` is.
 ///
 /// # Safety
-/// `comm` must be a live communicator; `newcomm` NULL or valid for a write.
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `newcomm` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommSplit(
     comm: collComm_t,
@@ -178,7 +181,8 @@ pub unsafe extern "C" fn collCommSplit(
 /// `capacity` too small is collInvalidArgument, with `*count` set).
 ///
 /// # Safety
-/// `comm` must be a live communicator; `ranks` valid for `capacity` writes
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `ranks` valid for `capacity` writes
 /// (or NULL with `capacity` 0); `count` valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommGetFailedRanks(
@@ -222,7 +226,8 @@ pub unsafe extern "C" fn collCommGetFailedRanks(
 /// during the shrink, it fails: get the failed ranks and shrink again.
 ///
 /// # Safety
-/// `comm` must be a live communicator; `excludeRanks` valid for
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `excludeRanks` valid for
 /// `excludeCount` reads (or NULL with 0); `newcomm` valid for a write;
 /// `config` NULL or initialized from COLL_CONFIG_INITIALIZER.
 #[no_mangle]
@@ -265,55 +270,55 @@ pub unsafe extern "C" fn collCommShrink(
 /// The number of ranks of `comm`.
 ///
 /// # Safety
-/// `comm` must be a live communicator; `count` NULL or valid for a write.
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `count` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommCount(comm: collComm_t, count: *mut c_int) -> collResult_t {
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
+    };
     // SAFETY: the caller's promise.
-    let c = unsafe { comm_ref(comm) };
-    guard(c, || {
-        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
-        // SAFETY: the caller's promise.
-        unsafe { put(count, "count", c.size) }
-    })
+    guard(Some(&c), || unsafe { put(count, "count", c.size) })
 }
 
 /// This process's rank in `comm`.
 ///
 /// # Safety
-/// `comm` must be a live communicator; `rank` NULL or valid for a write.
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `rank` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommUserRank(comm: collComm_t, rank: *mut c_int) -> collResult_t {
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
+    };
     // SAFETY: the caller's promise.
-    let c = unsafe { comm_ref(comm) };
-    guard(c, || {
-        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
-        // SAFETY: the caller's promise.
-        unsafe { put(rank, "rank", c.rank) }
-    })
+    guard(Some(&c), || unsafe { put(rank, "rank", c.rank) })
 }
 
 /// Aborts `comm` and frees it, as ncclCommAbort: a call blocked on it in
 /// another thread returns at once with an error, every peer's pending or
-/// next call fails naming this rank ("peer rank R aborted"). `comm` must
-/// not be used afterwards (a thread still inside a call on it returns
-/// before this does).
+/// next call fails naming this rank ("peer rank R aborted"). Afterwards
+/// `comm` is refused (a thread still inside a call on it returns before
+/// this does).
 ///
 /// # Safety
-/// `comm` must be NULL or a live communicator.
+/// `comm`: any handle (NULL does nothing; one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collCommAbort(comm: collComm_t) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let Some(c) = (unsafe { comm_ref(comm) }) else {
+    if comm.is_null() {
         return collResult_t::collSuccess;
-    };
-    let rank = c.rank;
-    c.abort.abort(&format!("rank {rank} called collCommAbort"));
+    }
     guard(None, || {
+        let c = unregister(comm)?;
+        c.abort
+            .abort(&format!("rank {} called collCommAbort", c.rank));
         // The lock waits for a blocked call, which the abort just ended.
         drop(c.comm.lock().unwrap_or_else(|e| e.into_inner()));
-        // SAFETY: made by Box::into_raw in `wrap`; the caller gives it up.
-        // Dropping it tells the peers (the abort is acted on first).
-        drop(unsafe { Box::from_raw(comm) });
+        // Ending it tells the peers (the abort is acted on first); a call
+        // still returning on another thread holds it until it has.
+        drop(c);
         Ok(())
     })
 }
@@ -328,15 +333,19 @@ pub unsafe extern "C" fn collCommAbort(comm: collComm_t) -> collResult_t {
 /// `reason` (NULL: "revoked") is what the errors say.
 ///
 /// # Safety
-/// `comm` must be NULL or a live communicator; `reason` NULL or a
+/// `comm`: any handle (NULL does nothing; one not live is refused);
+/// `reason` NULL or a
 /// NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn collCommRevoke(comm: collComm_t, reason: *const c_char) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let Some(c) = (unsafe { comm_ref(comm) }) else {
+    if comm.is_null() {
         return collResult_t::collSuccess;
+    }
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
     };
-    guard(Some(c), || {
+    guard(Some(&c), || {
         let why = match reason.is_null() {
             true => "revoked".into(),
             // SAFETY: non-null (checked), NUL-terminated by the caller's promise.
@@ -351,17 +360,15 @@ pub unsafe extern "C" fn collCommRevoke(comm: collComm_t, reason: *const c_char)
 /// see it leave).
 ///
 /// # Safety
-/// `comm` must be NULL or a live communicator, not used afterwards.
+/// `comm`: any handle (NULL does nothing; one already destroyed or aborted
+/// is refused with collInvalidArgument).
 #[no_mangle]
 pub unsafe extern "C" fn collCommDestroy(comm: collComm_t) -> collResult_t {
     if comm.is_null() {
         return collResult_t::collSuccess;
     }
-    guard(None, || {
-        // SAFETY: made by Box::into_raw in `wrap`; the caller gives it up.
-        drop(unsafe { Box::from_raw(comm) });
-        Ok(())
-    })
+    // A call still running on another thread holds it until it returns.
+    guard(None, || unregister(comm).map(drop))
 }
 
 /// A short description of `result`.
@@ -387,17 +394,17 @@ pub extern "C" fn collGetErrorString(result: ResultArg) -> *const c_char {
 /// failure it would report.
 ///
 /// # Safety
-/// `comm` must be NULL or a live communicator.
+/// `comm`: any handle (NULL does nothing; one not live is refused).
 #[no_mangle]
 pub unsafe extern "C" fn collGetLastError(comm: collComm_t) -> *const c_char {
-    // SAFETY: the caller's promise.
-    match unsafe { comm_ref(comm) } {
-        Some(c) => c
+    match lookup(comm) {
+        // The text lives in the communicator: valid while it is.
+        Ok(c) => c
             .last_error
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .as_ptr(),
-        None => thread_last_error(),
+        Err(_) => thread_last_error(),
     }
 }
 
@@ -406,16 +413,18 @@ pub unsafe extern "C" fn collGetLastError(comm: collComm_t) -> *const c_char {
 /// collGetLastError). A blocking communicator reports collSuccess.
 ///
 /// # Safety
-/// `comm` must be a live communicator; `asyncError` NULL or valid for a write.
+/// `comm`: any handle (one not live is refused with collInvalidArgument);
+/// `asyncError` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommGetAsyncError(
     comm: collComm_t,
     asyncError: *mut collResult_t,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let c = unsafe { comm_ref(comm) };
-    guard(c, || {
-        let c = c.ok_or_else(|| Failure::invalid("comm is NULL"))?;
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
+    };
+    guard(Some(&c), || {
         let background = c.background.lock().unwrap_or_else(|e| e.into_inner());
         let state = match (&background.error, background.in_flight) {
             (Some((code, message)), _) => {

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use collectives::{CallArgs, Communicator};
 
-use crate::boundary::{comm_ref, guard, with_comm, Failure};
+use crate::boundary::{guard, lookup, with_comm, Failure};
 use crate::{collComm_t, collResult_t};
 
 /// A call recorded in a group. Addresses, not pointers: the caller vouches
@@ -49,11 +49,11 @@ pub(crate) unsafe fn record(
     recv: *mut u8,
     count: usize,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    let Some(c) = (unsafe { comm_ref(comm) }) else {
-        return guard(None, || Err(Failure::invalid("comm is NULL")));
+    let c = match lookup(comm) {
+        Ok(c) => c,
+        Err(f) => return guard(None, || Err(f)),
     };
-    guard(Some(c), || {
+    guard(Some(&c), || {
         let args = args()?;
         GROUP.with(|g| {
             g.borrow_mut().calls.push(Recorded {
@@ -147,14 +147,11 @@ unsafe fn run(comm: collComm_t, calls: Vec<Recorded>) -> collResult_t {
             None => ended,
         }
     };
-    // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |c, inner| {
-            if c.blocking {
-                return Ok(inner.submit(job).wait()?);
-            }
-            inner.run_then(job, c.begin_background());
-            Err(Failure::in_progress())
-        })
-    }
+    with_comm(comm, |c, inner| {
+        if c.blocking {
+            return Ok(inner.submit(job).wait()?);
+        }
+        inner.run_then(job, c.begin_background());
+        Err(Failure::in_progress())
+    })
 }

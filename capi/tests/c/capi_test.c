@@ -720,6 +720,21 @@ static void test_abort(collComm_t comm) {
     EXPECT(strstr(last, "peer rank 0") && strstr(last, "collCommAbort"), "last error: %s", last);
     CHECK(NULL, collCommDestroy(comm));
   }
+  /* The handle is stale now (aborted on rank 0, destroyed elsewhere): every
+   * use is refused by name, none is followed (a second destroy, a call, a
+   * query, an abort). */
+  int count = -1;
+  collResult_t r = collCommDestroy(comm);
+  EXPECT(r == collInvalidArgument, "second destroy: %s", collGetErrorString(r));
+  EXPECT(strstr(collGetLastError(NULL), "not a live communicator"), "last error: %s",
+         collGetLastError(NULL));
+  r = collAllReduce(&byte, &byte, 1, collUint8, collSum, comm);
+  EXPECT(r == collInvalidArgument, "call on a stale handle: %s", collGetErrorString(r));
+  r = collCommCount(comm, &count);
+  EXPECT(r == collInvalidArgument && count == -1, "count of a stale handle: %s",
+         collGetErrorString(r));
+  r = collCommAbort(comm);
+  EXPECT(r == collInvalidArgument, "abort of a stale handle: %s", collGetErrorString(r));
 }
 
 int main(int argc, char **argv) {
