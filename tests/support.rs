@@ -51,6 +51,7 @@ pub fn run(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration)
         "COLL_LAUNCHER",
         "OMPI_COMM_WORLD_RANK",
         "PMI_RANK",
+        "SLURM_PROCID",
     ] {
         if !env.iter().any(|(k, _)| *k == v) {
             cmd.env_remove(v);

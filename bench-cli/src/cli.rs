@@ -67,8 +67,9 @@ pub enum Command {
     /// List the registered algorithms (the names --algo accepts)
     Algorithms,
     /// Merge the flight records ranks dumped into DIR (on a failure, on
-    /// SIGUSR1, or on request; COLL_TRACE_DUMP_DIR, default the temp dir)
-    /// and name the rank at fault: collbench trace /tmp
+    /// SIGUSR1, or on request; COLL_TRACE_DUMP_DIR, default coll-traces-UID
+    /// in the temp dir)
+    /// and name the rank at fault: collbench trace /tmp/coll-traces-$(id -u)
     Trace {
         /// The directory holding coll-trace-rank*.json
         dir: PathBuf,
@@ -460,19 +461,30 @@ fn sweep(lo: u64, hi: u64, factor: f64) -> Result<Vec<u64>, String> {
     if lo > hi {
         return Err(format!("minbytes {lo} is above maxbytes {hi}"));
     }
-    if factor <= 1.0 && lo != hi {
-        return Err("the step factor must be above 1".into());
+    // NaN, infinity and factors of 1 or less would never reach maxbytes.
+    if !(factor.is_finite() && factor > 1.0) {
+        return Err(format!(
+            "the step factor (-f) {factor} is not a number above 1"
+        ));
     }
     let mut sizes = vec![lo];
     while let Some(&last) = sizes.last() {
-        let next = (last.max(1) as f64 * factor).round() as u64;
-        if next > hi {
+        let next = (last.max(1) as f64 * factor).round();
+        if next > hi as f64 {
             break;
         }
-        sizes.push(next.max(last + 1));
+        sizes.push((next as u64).max(last + 1));
+        if sizes.len() > MAX_SIZES {
+            return Err(format!(
+                "-b {lo} -e {hi} -f {factor} makes over {MAX_SIZES} sizes: take a larger step"
+            ));
+        }
     }
     Ok(sizes)
 }
+
+/// The most sizes a sweep may have.
+const MAX_SIZES: usize = 10_000;
 
 #[cfg(test)]
 mod tests {
@@ -486,6 +498,24 @@ mod tests {
             Command::Allreduce(a) => a,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn sweeps_that_would_never_end_are_refused() {
+        for bad in [
+            &["-b", "8", "-e", "1M", "-f", "nan"][..],
+            &["-b", "8", "-e", "8", "-f", "0"],
+            &["-b", "8", "-e", "1M", "-f", "inf"],
+            &["-b", "8", "-e", "1M", "-f", "1.0000001"],
+        ] {
+            assert!(args(bad).sizes().is_err(), "{bad:?}");
+        }
+        assert!(Cli::try_parse_from(["collbench", "allreduce", "-e", "1e30"]).is_err());
+        let top = args(&["-b", "1T", "-e", "1024T", "-f", "2"])
+            .sizes()
+            .unwrap();
+        assert_eq!(top.len(), 11);
+        assert_eq!(args(&["-b", "8", "-e", "8"]).sizes().unwrap(), vec![8]);
     }
 
     #[test]

@@ -50,6 +50,9 @@ pub const DEFAULT_TINY_BYTES: usize = 64 << 10;
 /// size per rank in shared memory that every rank of the host maps.
 pub const MAX_TINY: usize = 1 << 20;
 
+/// The largest pipeline chunk (`COLL_CHUNK`).
+pub const MAX_CHUNK: usize = 1 << 30;
+
 impl Default for Config {
     fn default() -> Self {
         Config {
@@ -101,8 +104,12 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), String> {
-        if self.chunk_bytes < 64 {
-            return Err(format!("chunk size {} is below 64 bytes", self.chunk_bytes));
+        if !(64..=MAX_CHUNK).contains(&self.chunk_bytes) {
+            return Err(format!(
+                "chunk size (COLL_CHUNK) {} is not between 64 bytes and 1G: every \
+                 connection stages a depth of chunks",
+                self.chunk_bytes
+            ));
         }
         if !(1..=64).contains(&self.depth) {
             return Err(format!("pipeline depth {} is not in 1..=64", self.depth));
@@ -114,8 +121,11 @@ impl Config {
                 self.tiny_bytes
             ));
         }
-        if self.timeout.is_zero() {
-            return Err("timeout must be positive".into());
+        if self.timeout.is_zero() || self.timeout > MAX_TIMEOUT {
+            return Err(format!(
+                "timeout {:?} is not above 0 and at most a year",
+                self.timeout
+            ));
         }
         if !["auto", "tcp", "shm", "verbs"].contains(&self.transport.as_str()) {
             return Err(format!(
@@ -191,15 +201,28 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     if v.is_nan() || v < 0.0 || !v.is_finite() {
         return Err(format!("'{t}' is not a size"));
     }
-    Ok((v * mult as f64).round() as u64)
+    let bytes = v * mult as f64;
+    if bytes > MAX_SIZE as f64 {
+        return Err(format!("'{t}' is above the largest size, 1P"));
+    }
+    Ok(bytes.round() as u64)
 }
 
-/// Seconds, fractional allowed: `30`, `0.5`, `2s`.
+/// The largest size [`parse_size`] takes (1 PiB): sizes are buffers or
+/// chunks, and beyond this one is a typo that would overflow later.
+pub const MAX_SIZE: u64 = 1 << 50;
+
+/// The longest timeout (a year): beyond it, a deadline overflows the clock.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// Seconds, fractional allowed: `30`, `0.5`, `2s`; at most a year.
 pub fn parse_seconds(s: &str) -> Result<Duration, String> {
     let t = s.trim().trim_end_matches('s');
     match t.parse::<f64>() {
-        Ok(v) if v > 0.0 && v.is_finite() => Ok(Duration::from_secs_f64(v)),
-        _ => Err(format!("'{s}' is not a positive number of seconds")),
+        Ok(v) if v > 0.0 && v <= MAX_TIMEOUT.as_secs_f64() => Ok(Duration::from_secs_f64(v)),
+        _ => Err(format!(
+            "'{s}' is not a number of seconds above 0 and at most a year"
+        )),
     }
 }
 
@@ -217,6 +240,16 @@ mod tests {
         assert_eq!(parse_size("1.5k"), Ok(1536));
         assert!(parse_size("lots").is_err());
         assert!(parse_size("-1").is_err());
+        assert!(parse_size("1e30").is_err(), "wrapped to 0 bytes once");
+        assert!(parse_size("1024T").is_ok() && parse_size("1025T").is_err());
+        assert!(parse_seconds("1e19").is_err(), "overflowed the clock once");
+        assert!(parse_seconds("nan").is_err() && parse_seconds("0").is_err());
+        assert!(parse_seconds("86400").is_ok());
+        let huge_chunk = Config {
+            chunk_bytes: 4 << 40,
+            ..Config::default()
+        };
+        assert!(huge_chunk.validate().is_err(), "aborted on allocation once");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::{FAILED, WRONG_VALUES};
 
 /// Whether a launcher already made this process one rank of a job.
 pub(crate) fn under_launcher() -> bool {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
         .iter()
         .any(|v| std::env::var_os(v).is_some())
 }

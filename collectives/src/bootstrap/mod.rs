@@ -147,6 +147,7 @@ impl Bootstrap {
     /// Reads the environment (see the module docs). With none of the
     /// variables set, this is a job of one rank.
     pub fn from_env() -> Result<Self, String> {
+        interface_ip_from_env()?;
         let Some(src) = SOURCES.iter().find(|s| var(s.vars[0]).is_some()) else {
             return Ok(Self::single());
         };
@@ -179,7 +180,8 @@ impl Bootstrap {
 
     /// The address this rank's listeners bind: the one peers can reach.
     pub fn local_ip(&self) -> IpAddr {
-        if let Some(ip) = interface_ip_from_env() {
+        // (An unknown COLL_SOCKET_IFNAME was refused by `from_env`.)
+        if let Ok(Some(ip)) = interface_ip_from_env() {
             return ip;
         }
         let loopback = IpAddr::from([127, 0, 0, 1]);
@@ -318,22 +320,32 @@ fn local_ip_towards(dest: SocketAddr) -> IpAddr {
 }
 
 /// `COLL_SOCKET_IFNAME`: the interface whose address to listen on (as
-/// NCCL_SOCKET_IFNAME).
-fn interface_ip_from_env() -> Option<IpAddr> {
-    let name = var("COLL_SOCKET_IFNAME")?;
-    interfaces()
-        .into_iter()
-        .find(|(n, _)| *n == name)
-        .map(|(_, ip)| ip)
+/// NCCL_SOCKET_IFNAME); one that is not up is an error, not ignored.
+fn interface_ip_from_env() -> Result<Option<IpAddr>, String> {
+    let Some(name) = var("COLL_SOCKET_IFNAME") else {
+        return Ok(None);
+    };
+    let up = interfaces();
+    match up.iter().find(|(n, _)| *n == name) {
+        Some((_, ip)) => Ok(Some(*ip)),
+        None => Err(format!(
+            "COLL_SOCKET_IFNAME={name}: no interface of that name is up with an IPv4 \
+             address (up: {})",
+            up.iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        )),
+    }
 }
 
 /// The address to serve a rendezvous on when nothing says where ranks
 /// meet: `COLL_SOCKET_IFNAME`'s, else the first interface's that is not
 /// loopback, else loopback.
-fn default_ip() -> IpAddr {
-    interface_ip_from_env()
+fn default_ip() -> Result<IpAddr, String> {
+    Ok(interface_ip_from_env()?
         .or_else(first_interface_ip)
-        .unwrap_or(IpAddr::from([127, 0, 0, 1]))
+        .unwrap_or(IpAddr::from([127, 0, 0, 1])))
 }
 
 /// The first IPv4 address of an interface that is up and not loopback.

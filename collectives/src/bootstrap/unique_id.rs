@@ -36,7 +36,7 @@ impl UniqueId {
     /// not loopback (so ranks on other hosts can reach it), else loopback.
     pub fn new() -> Result<Self, String> {
         let timeout = Config::from_env()?.timeout;
-        let server = Server::bind(SocketAddr::new(default_ip(), 0))?;
+        let server = Server::bind(SocketAddr::new(default_ip()?, 0))?;
         let (addr, token) = (server.local_addr(), random_token());
         // The thread ends when the job has met, or at the deadline.
         drop(server.spawn(None, token, Instant::now() + timeout));

@@ -556,7 +556,7 @@ fn group_by_host(peers: &[PeerInfo]) -> Vec<Vec<Rank>> {
 
 /// The rank number the environment claims, for errors before bootstrap.
 fn env_rank() -> Rank {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"]
+    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
         .iter()
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
         .unwrap_or(0)

@@ -427,20 +427,65 @@ pub(crate) fn dump_requests() -> u64 {
     DUMP_REQUESTS.load(Ordering::Relaxed)
 }
 
-/// Where dumps go: `COLL_TRACE_DUMP_DIR`, else the temp dir.
+/// Where dumps go: `COLL_TRACE_DUMP_DIR`, else `coll-traces-<uid>` in the
+/// temp dir, a directory of this user's alone (another user on the host
+/// can neither read the records nor plant a link where one will be written).
 pub(crate) fn dump_dir() -> PathBuf {
     std::env::var_os("COLL_TRACE_DUMP_DIR")
         .map(PathBuf::from)
-        .unwrap_or_else(std::env::temp_dir)
+        .unwrap_or_else(|| std::env::temp_dir().join(format!("coll-traces-{}", uid())))
 }
 
-/// Writes `dump` as `coll-trace-rank<R>-pid<P>.json` in `dir`.
+fn uid() -> u32 {
+    rustix::process::getuid().as_raw()
+}
+
+/// Writes `dump` as `coll-trace-rank<R>-pid<P>.json` in `dir`, mode 0600:
+/// into a file created anew (never through an existing file or link), then
+/// renamed into place, in a directory made private (0700) if it is new and
+/// refused unless it is a real directory of this user's.
 pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
-    std::fs::create_dir_all(dir)?;
-    let path = dir.join(format!("coll-trace-rank{}-pid{}.json", dump.rank, dump.pid));
+    use std::io::Write;
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt};
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
+            return Err(std::io::Error::new(
+                e.kind(),
+                format!("{}: {e}", dir.display()),
+            ));
+        }
+        _ => {}
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.is_dir() || meta.uid() != uid() {
+        return Err(std::io::Error::other(format!(
+            "{} is not a directory of this user's (uid {}): no flight record is written there",
+            dir.display(),
+            uid()
+        )));
+    }
+    let name = format!("coll-trace-rank{}-pid{}.json", dump.rank, dump.pid);
+    let (path, part) = (
+        dir.join(&name),
+        dir.join(format!(".{name}.{}", random_suffix())),
+    );
     let text = serde_json::to_string_pretty(dump).map_err(std::io::Error::other)?;
-    std::fs::write(&path, text + "\n")?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(&part)?;
+    file.write_all((text + "\n").as_bytes())?;
+    std::fs::rename(&part, &path)?;
     Ok(path)
+}
+
+/// A name part no other writer picks.
+fn random_suffix() -> u64 {
+    let mut bytes = [0u8; 8];
+    let _ = rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty());
+    u64::from_le_bytes(bytes)
 }
 
 #[cfg(test)]
@@ -495,5 +540,46 @@ mod tests {
         assert_eq!((calls[0].start_us, calls[0].end_us), (None, None));
         let took = calls[1].end_us.unwrap() - calls[1].start_us.unwrap();
         assert!(took >= 1000.0, "the waiting call took {took} us");
+    }
+
+    #[test]
+    fn dumps_follow_no_link_and_only_this_users_directory() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let r = Recorder::new(3, 4);
+        let dump = Dump {
+            rank: 3,
+            size: 4,
+            host: "h".into(),
+            pid: 42,
+            reason: "test".into(),
+            time: 0.0,
+            calls: r.calls(|_| None),
+            stats: r.stats.snapshot(),
+        };
+        let base = std::env::temp_dir().join(format!("coll-dump-test-{}", std::process::id()));
+        let dir = base.join("private");
+        // A link planted where the dump goes, at a file someone else owns.
+        std::fs::create_dir_all(&dir).unwrap();
+        let victim = base.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        let planted = dir.join("coll-trace-rank3-pid42.json");
+        std::os::unix::fs::symlink(&victim, &planted).unwrap();
+        let path = write(&dump, &dir).unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        let meta = std::fs::symlink_metadata(&path).unwrap();
+        assert!(
+            meta.is_file() && meta.mode() & 0o777 == 0o600,
+            "{:o}",
+            meta.mode()
+        );
+        // A new directory is private; a link in place of one is refused.
+        let fresh = base.join("fresh");
+        write(&dump, &fresh).unwrap();
+        let mode = std::fs::metadata(&fresh).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let linked = base.join("linked");
+        std::os::unix::fs::symlink(&fresh, &linked).unwrap();
+        assert!(write(&dump, &linked).is_err());
+        std::fs::remove_dir_all(&base).unwrap();
     }
 }
