@@ -276,14 +276,25 @@ fn help_teaches() {
 /// with a message that says what to change (exit status 2).
 #[test]
 fn impossible_requests_fail_at_once_with_a_reason() {
-    let cases: [(&[&str], &str); 6] = [
+    let cases: [(&[&str], &str); 8] = [
         (&["allreduce", "-n", "2", "--size", "1T"], "of memory"),
+        (
+            &["allreduce", "-n", "2", "--chunk", "4T"],
+            "not between 64 bytes and 1G",
+        ),
+        (
+            &["allreduce", "-n", "2", "-b", "8", "-e", "1M", "-f", "nan"],
+            "step factor",
+        ),
         (&["alltoallv", "-n", "4", "--size", "8G"], "of memory"),
         (
             &["allreduce", "-n", "100000", "--size", "8"],
             "--oversubscribe",
         ),
-        (&["allreduce", "-n", "2", "--chunk", "0"], "chunk size 0"),
+        (
+            &["allreduce", "-n", "2", "--chunk", "0"],
+            "chunk size (COLL_CHUNK) 0",
+        ),
         (
             &["allreduce", "-n", "2", "--depth", "0"],
             "pipeline depth 0",

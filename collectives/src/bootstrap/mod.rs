@@ -157,6 +157,12 @@ impl Bootstrap {
         if size == 0 || rank >= size {
             return Err(format!("{rank_var}={rank} is not below {size_var}={size}"));
         }
+        if size > rendezvous::MAX_RANKS {
+            return Err(format!(
+                "{size_var}={size} is above the most ranks a job may have, {}",
+                rendezvous::MAX_RANKS
+            ));
+        }
         let local_rank = var(local_var).map(|_| number(local_var)).transpose()?;
         let local_size: Option<usize> = var(local_size_var).and_then(|v| v.trim().parse().ok());
         let source = if var(LAUNCHER_VAR).is_some() {

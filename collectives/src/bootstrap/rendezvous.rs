@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::mpsc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -45,7 +46,7 @@ impl PeerInfo {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Join {
     job: String,
     size: usize,
@@ -71,6 +72,15 @@ pub struct Table {
     /// Everyone's info, indexed by rank.
     pub peers: Vec<PeerInfo>,
 }
+
+/// The most ranks a job may have: a larger size is a typo or an attack,
+/// refused before it sizes anything.
+pub const MAX_RANKS: usize = 1 << 22;
+/// Connections the rendezvous reads at once, and how long each may take to
+/// send its join, and how large the join may be.
+const MAX_READERS: usize = 64;
+const JOIN_WITHIN: Duration = Duration::from_secs(10);
+const MAX_JOIN_BYTES: usize = 1 << 20;
 
 /// A bound rendezvous server, not yet serving.
 pub struct Server {
@@ -123,86 +133,54 @@ impl Server {
         self.listener
             .set_nonblocking(true)
             .map_err(|e| e.to_string())?;
-        let mut joined: Vec<Option<(TcpStream, PeerInfo)>> = Vec::new();
+        let readers = Arc::new(AtomicUsize::new(0));
+        // By rank: memory grows with the ranks that joined, never with what
+        // a joiner claims the size is.
+        let mut joined: BTreeMap<Rank, (TcpStream, PeerInfo)> = BTreeMap::new();
         let mut size = size;
-        if let Some(n) = size {
-            joined.resize_with(n, || None);
-        }
-        let mut count = 0;
+        // Joins refused (their senders were told why), for the timeout's error.
+        let mut refused: Vec<String> = Vec::new();
         let job_hex = format!("{job:032x}");
-        while size != Some(count) {
+        while size != Some(joined.len()) {
             if Instant::now() >= deadline {
-                let size = size.unwrap_or(0);
-                let missing: Vec<Rank> = (0..size).filter(|r| joined[*r].is_none()).collect();
-                let reason = format!(
-                    "Timed out waiting: rank(s) {missing:?} of {size} did not reach the rendezvous at {} in time \
-                     (did they start? do MASTER_ADDR/MASTER_PORT match?)",
-                    self.addr
-                );
-                refuse_all(&mut joined, &reason);
+                let reason = self.timed_out(size, &joined, &refused);
+                refuse_all(joined.values_mut(), &reason);
                 return Err(reason);
             }
-            self.accept_pending(&tx);
-            match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok((mut stream, j)) => {
-                    if j.job != job_hex {
-                        tracing::warn!("rendezvous refused rank {} from another job", j.info.rank);
-                        let _ = send(
-                            &mut stream,
-                            &Reply::Refused {
-                                reason: "another job's rendezvous".into(),
-                            },
-                        );
-                        continue;
-                    }
-                    let size = *size.get_or_insert(j.size);
-                    joined.resize_with(size, || None);
-                    let problem = if j.size != size {
-                        Some(format!(
-                            "rank {} says WORLD_SIZE={} but the job has {size} ranks",
-                            j.info.rank, j.size
-                        ))
-                    } else if j.info.rank >= size {
-                        Some(format!(
-                            "rank {} is not below WORLD_SIZE={size}",
-                            j.info.rank
-                        ))
-                    } else if let Some((_, first)) = &joined[j.info.rank] {
-                        Some(format!(
-                            "rank {} joined twice (pids {} and {})",
-                            j.info.rank, first.pid, j.info.pid
-                        ))
-                    } else {
-                        None
-                    };
-                    if let Some(reason) = problem {
-                        let _ = send(
-                            &mut stream,
-                            &Reply::Refused {
-                                reason: reason.clone(),
-                            },
-                        );
-                        refuse_all(&mut joined, &reason);
-                        return Err(reason);
-                    }
-                    tracing::debug!(rank = j.info.rank, host = %j.info.hostname, "joined the rendezvous");
-                    let r = j.info.rank;
-                    joined[r] = Some((stream, j.info));
-                    count += 1;
-                }
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            self.accept_pending(&tx, &readers);
+            let (mut stream, j) = match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(joiner) => joiner,
+                Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => unreachable!("we hold a sender"),
+            };
+            // A bad join is refused alone: whoever sent it cannot end the job.
+            let problem = match j.job == job_hex {
+                false => Some("another job's rendezvous".to_string()),
+                true => bad_join(&j, size, &joined),
+            };
+            if let Some(reason) = problem {
+                tracing::warn!("rendezvous refused a join: {reason}");
+                let _ = send(
+                    &mut stream,
+                    &Reply::Refused {
+                        reason: reason.clone(),
+                    },
+                );
+                if refused.len() < 8 {
+                    refused.push(reason);
+                }
+                continue;
             }
+            tracing::debug!(rank = j.info.rank, host = %j.info.hostname, "joined the rendezvous");
+            size.get_or_insert(j.size);
+            joined.insert(j.info.rank, (stream, j.info));
         }
-        let peers: Vec<PeerInfo> = joined
-            .iter()
-            .map(|j| j.as_ref().unwrap().1.clone())
-            .collect();
+        let peers: Vec<PeerInfo> = joined.values().map(|(_, info)| info.clone()).collect();
         let welcome = Reply::Welcome {
             session: format!("{:032x}", super::random_token()),
             peers,
         };
-        for (stream, info) in joined.iter_mut().flatten() {
+        for (stream, info) in joined.values_mut() {
             if let Err(e) = send(stream, &welcome) {
                 tracing::warn!(rank = info.rank, "could not answer at the rendezvous: {e}");
             }
@@ -210,28 +188,90 @@ impl Server {
         Ok(())
     }
 
-    /// Accepts waiting connections; a thread per connection reads its request,
-    /// so a silent stranger holds up nobody.
-    fn accept_pending(&self, tx: &mpsc::Sender<(TcpStream, Join)>) {
+    /// The error when not every rank joined by the deadline.
+    fn timed_out(
+        &self,
+        size: Option<usize>,
+        joined: &BTreeMap<Rank, (TcpStream, PeerInfo)>,
+        refused: &[String],
+    ) -> String {
+        let size = size.unwrap_or(0);
+        let missing: Vec<Rank> = (0..size)
+            .filter(|r| !joined.contains_key(r))
+            .take(16)
+            .collect();
+        let more = size - joined.len() - missing.len();
+        let mut reason = format!(
+            "Timed out waiting: rank(s) {missing:?}{} of {size} did not reach the rendezvous at {} \
+             in time (did they start? do MASTER_ADDR/MASTER_PORT match?)",
+            if more > 0 { format!(" and {more} more") } else { String::new() },
+            self.addr
+        );
+        if !refused.is_empty() {
+            reason += &format!("; joins refused: {}", refused.join("; "));
+        }
+        reason
+    }
+
+    /// Accepts waiting connections; a thread per connection reads its
+    /// request (at most `MAX_READERS` at once, each within `JOIN_WITHIN`),
+    /// so a silent or trickling stranger holds up nobody and a flood of them
+    /// costs a bounded number of threads.
+    fn accept_pending(&self, tx: &mpsc::Sender<(TcpStream, Join)>, readers: &Arc<AtomicUsize>) {
         while let Ok((mut stream, from)) = self.listener.accept() {
-            let tx = tx.clone();
+            if readers.fetch_add(1, Ordering::SeqCst) >= MAX_READERS {
+                readers.fetch_sub(1, Ordering::SeqCst);
+                tracing::warn!(%from, "rendezvous dropped a connection: {MAX_READERS} are being read");
+                continue;
+            }
+            let (tx, readers) = (tx.clone(), readers.clone());
             std::thread::spawn(move || {
                 let _ = stream.set_nonblocking(false);
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(10)));
-                match receive::<Join>(&mut stream) {
+                let within = Instant::now() + JOIN_WITHIN;
+                match receive_by::<Join>(&mut stream, MAX_JOIN_BYTES, within) {
                     Ok(j) => {
                         let _ = stream.set_read_timeout(None);
                         let _ = tx.send((stream, j));
                     }
                     Err(e) => tracing::warn!(%from, "rendezvous ignored a connection: {e}"),
                 }
+                readers.fetch_sub(1, Ordering::SeqCst);
             });
         }
     }
 }
 
-fn refuse_all(joined: &mut [Option<(TcpStream, PeerInfo)>], reason: &str) {
-    for (stream, _) in joined.iter_mut().flatten() {
+/// Why a join of this job cannot be taken, if it cannot.
+fn bad_join(
+    j: &Join,
+    size: Option<usize>,
+    joined: &BTreeMap<Rank, (TcpStream, PeerInfo)>,
+) -> Option<String> {
+    let rank = j.info.rank;
+    if !(1..=MAX_RANKS).contains(&j.size) {
+        return Some(format!(
+            "rank {rank} says WORLD_SIZE={}, not between 1 and {MAX_RANKS}",
+            j.size
+        ));
+    }
+    if let Some(size) = size.filter(|s| *s != j.size) {
+        return Some(format!(
+            "rank {rank} says WORLD_SIZE={} but the job has {size} ranks",
+            j.size
+        ));
+    }
+    if rank >= j.size {
+        return Some(format!("rank {rank} is not below WORLD_SIZE={}", j.size));
+    }
+    let (_, first) = joined.get(&rank)?;
+    Some(format!(
+        "rank {rank} joined twice (pids {} and {}): the second is refused",
+        first.pid, j.info.pid
+    ))
+}
+
+fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, PeerInfo)>, reason: &str) {
+    for (stream, _) in joined {
         let _ = send(
             stream,
             &Reply::Refused {
@@ -322,13 +362,31 @@ fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
 /// One length-prefixed JSON message (at most 64 MiB: a stranger's length
 /// prefix allocates nothing beyond what it sends, up to that bound).
 pub(crate) fn receive<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> std::io::Result<T> {
+    receive_at_most(stream, 64 << 20)
+}
+
+/// One message of at most `max` bytes, all of it by `deadline` (a deadline
+/// for the message, not for each read: a sender trickling a byte at a time
+/// cannot hold the reader longer).
+fn receive_by<T: for<'de> Deserialize<'de>>(
+    stream: &mut TcpStream,
+    max: usize,
+    deadline: Instant,
+) -> std::io::Result<T> {
+    receive_at_most(&mut ByDeadline { stream, deadline }, max)
+}
+
+fn receive_at_most<T: for<'de> Deserialize<'de>>(
+    stream: &mut impl Read,
+    max: usize,
+) -> std::io::Result<T> {
     let mut len = [0u8; 4];
     stream.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
-    if len > 64 << 20 {
+    if len > max {
         return Err(std::io::Error::new(
             ErrorKind::InvalidData,
-            "oversized rendezvous message",
+            format!("a rendezvous message of {len} bytes, above {max}"),
         ));
     }
     let mut body = Vec::new();
@@ -337,6 +395,23 @@ pub(crate) fn receive<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> s
         return Err(ErrorKind::UnexpectedEof.into());
     }
     serde_json::from_slice(&body).map_err(|e| std::io::Error::new(ErrorKind::InvalidData, e))
+}
+
+/// Reads that all end by one deadline.
+struct ByDeadline<'a> {
+    stream: &'a mut TcpStream,
+    deadline: Instant,
+}
+
+impl Read for ByDeadline<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        self.stream.read(buf)
+    }
 }
 
 /// Hex encoding for address blobs in [`PeerInfo::addresses`].
@@ -372,5 +447,60 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let to_listener = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         assert!(not_to_itself(to_listener).is_ok());
+    }
+
+    fn info(rank: Rank) -> PeerInfo {
+        PeerInfo::new(rank, BTreeMap::new(), String::new())
+    }
+
+    /// A stranger, a trickler and bad joins of the job's own kind are each
+    /// refused alone; the honest ranks still form the job.
+    #[test]
+    fn bad_joins_are_refused_without_ending_the_job() {
+        let server = Server::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let serving = server.spawn(Some(2), 7, deadline);
+        // Connects and says nothing; another sends a byte and stops.
+        let _silent = TcpStream::connect(addr).unwrap();
+        let mut trickle = TcpStream::connect(addr).unwrap();
+        trickle.write_all(&[1]).unwrap();
+        let bad = |job: u128, size: usize, rank: Rank| {
+            join(addr, job, size, info(rank), deadline).unwrap_err()
+        };
+        assert!(bad(8, 2, 0).contains("another job's"));
+        assert!(bad(7, 1 << 50, 0).contains("not between 1 and"));
+        assert!(bad(7, 3, 0).contains("but the job has 2 ranks"));
+        assert!(bad(7, 2, 5).contains("is not below"));
+        let first = std::thread::spawn(move || join(addr, 7, 2, info(0), deadline));
+        std::thread::sleep(Duration::from_millis(200));
+        assert!(bad(7, 2, 0).contains("joined twice"));
+        let second = join(addr, 7, 2, info(1), deadline).unwrap();
+        let first = first.join().unwrap().unwrap();
+        assert_eq!(first.peers.len(), 2);
+        assert_eq!((first.session, second.peers[1].rank), (second.session, 1));
+        serving.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_join_must_arrive_whole_by_its_deadline() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let mut client = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        let (mut server_side, _) = listener.accept().unwrap();
+        client.write_all(&100u32.to_le_bytes()).unwrap();
+        client.write_all(b"{").unwrap();
+        let within = Instant::now() + Duration::from_millis(300);
+        let e = receive_by::<Join>(&mut server_side, MAX_JOIN_BYTES, within).unwrap_err();
+        assert!(
+            matches!(e.kind(), ErrorKind::TimedOut | ErrorKind::WouldBlock),
+            "{e}"
+        );
+        assert!(Instant::now() < within + Duration::from_secs(1));
+        let mut big = TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        big.write_all(&(2u32 << 20).to_le_bytes()).unwrap();
+        let (mut other, _) = listener.accept().unwrap();
+        let within = Instant::now() + Duration::from_secs(5);
+        let e = receive_by::<Join>(&mut other, MAX_JOIN_BYTES, within).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidData, "{e}");
     }
 }
