@@ -17,12 +17,12 @@
 //! [`verdict`] turns everyone's position into one sentence; `collbench
 //! trace` uses it on flight records too.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use transport::{Rank, Tag};
@@ -370,23 +370,92 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
         return Ok(*addr);
     }
     let listener = TcpListener::bind((ip, 0))?;
+    listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     std::thread::Builder::new()
         .name("coll-status".into())
-        .spawn(move || {
-            for stream in listener.incoming().flatten() {
-                // A thread each: a slow or silent asker (a stranger gets one
-                // read timeout) delays nobody else's answer.
-                let spawned = std::thread::Builder::new()
-                    .name("coll-status-answer".into())
-                    .spawn(move || answer(stream));
-                if let Err(e) = spawned {
-                    tracing::warn!("status: cannot answer a question: {e}");
-                }
-            }
-        })?;
+        .spawn(move || serve(listener))?;
     listening.insert(ip, addr);
     Ok(addr)
+}
+
+/// Connections the port holds at once, each until its question has come
+/// whole or [`QUESTION_WITHIN`] passed: beyond, the oldest is dropped.
+const HOLD: usize = 1024;
+/// How long an asker has to send its whole question (a deadline, not a
+/// time per read: a trickling stranger is dropped at it).
+const QUESTION_WITHIN: Duration = Duration::from_secs(1);
+
+/// A connection whose question has not all come yet.
+struct Asking {
+    stream: TcpStream,
+    question: [u8; QUESTION_LEN],
+    got: usize,
+    by: Instant,
+}
+
+/// One thread answers every asker, polling them all: a silent, slow or
+/// flooding stranger costs a slot for at most [`QUESTION_WITHIN`], no
+/// thread, and never delays the answer to a question that came whole.
+fn serve(listener: TcpListener) {
+    let mut asking: VecDeque<Asking> = VecDeque::new();
+    loop {
+        let ready = wait_for_any(&listener, &asking);
+        let now = Instant::now();
+        for (mut a, ready) in std::mem::take(&mut asking).into_iter().zip(ready) {
+            if ready {
+                match a.stream.read(&mut a.question[a.got..]) {
+                    Ok(0) => continue,
+                    Ok(n) => a.got += n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(_) => continue,
+                }
+                if a.got == QUESTION_LEN {
+                    // A small answer into an empty socket buffer: it does not block.
+                    let _ = answer(&a.question).map(|text| a.stream.write_all(&text));
+                    continue;
+                }
+            }
+            if now < a.by {
+                asking.push_back(a);
+            }
+        }
+        while let Ok((stream, _)) = listener.accept() {
+            if stream.set_nonblocking(true).is_err() {
+                continue;
+            }
+            if asking.len() == HOLD {
+                asking.pop_front();
+            }
+            let by = now + QUESTION_WITHIN;
+            let question = [0; QUESTION_LEN];
+            asking.push_back(Asking {
+                stream,
+                question,
+                got: 0,
+                by,
+            });
+        }
+    }
+}
+
+/// Waits until the listener or an asker is readable, or the first asker's
+/// deadline; says which askers are.
+fn wait_for_any(listener: &TcpListener, asking: &VecDeque<Asking>) -> Vec<bool> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = Vec::with_capacity(asking.len() + 1);
+    fds.push(PollFd::new(listener, PollFlags::IN));
+    fds.extend(asking.iter().map(|a| PollFd::new(&a.stream, PollFlags::IN)));
+    let first = asking.iter().map(|a| a.by).min();
+    let wait = first.map_or(QUESTION_WITHIN, |by| {
+        by.saturating_duration_since(Instant::now())
+    });
+    let timeout = Timespec {
+        tv_sec: wait.as_secs() as i64,
+        tv_nsec: wait.subsec_nanos().into(),
+    };
+    let _ = poll(&mut fds, Some(&timeout));
+    fds[1..].iter().map(|f| !f.revents().is_empty()).collect()
 }
 
 /// Answers for the communicator with token `session` while it lives.
@@ -420,14 +489,9 @@ pub(crate) fn register(session: u128, board: &Arc<Board>) {
     boards.insert(session, Arc::downgrade(board));
 }
 
-fn answer(mut stream: TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(1)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(1)))?;
-    let mut q = [0u8; QUESTION_LEN];
-    stream.read_exact(&mut q)?;
-    let Some((kind, session, k)) = parse_question(&q) else {
-        return Ok(());
-    };
+/// The answer to a question, if it is one.
+fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
+    let (kind, session, k) = parse_question(q)?;
     // The token is checked by the map: a stranger's reads as unknown.
     let known = responders().boards.lock().unwrap().get(&session).cloned();
     let board = known.as_ref().map(|b| b.upgrade());
@@ -449,7 +513,7 @@ fn answer(mut stream: TcpStream) -> std::io::Result<()> {
         }
         (_, Some(None)) => serde_json::to_vec(&crate::observe::ballot::Answer::Left),
     };
-    stream.write_all(&text.map_err(std::io::Error::other)?)
+    text.ok()
 }
 
 /// A question of `kind` about the communicator `session` (and agreement `k`).
@@ -675,5 +739,44 @@ mod tests {
         drop(board);
         assert_eq!(where_is(0xfeed).state, "left");
         assert_eq!(parse_question(b"GET / HTTP/1.1\r\nHost:x\r\n"), None);
+    }
+
+    fn threads() -> usize {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Threads:")).unwrap();
+        line[8..].trim().parse().unwrap()
+    }
+
+    /// A flood of silent and trickling connections takes no thread each,
+    /// does not keep a real question from its answer, and is dropped at the
+    /// question's deadline.
+    #[test]
+    fn a_flood_of_strangers_costs_no_threads_and_delays_no_answer() {
+        let addr = listen("127.0.0.1".parse().unwrap()).unwrap();
+        let before = threads();
+        let mut flood: Vec<TcpStream> = (0..300)
+            .map(|_| TcpStream::connect(addr).unwrap())
+            .collect();
+        for s in flood.iter_mut().step_by(3) {
+            s.write_all(b"CS").unwrap(); // a question's first bytes, then nothing
+        }
+        let a = ask(addr, &question(POSITION, 1, 0), Duration::from_secs(5)).unwrap();
+        assert!(
+            parse_answer(&a).is_some(),
+            "{}",
+            String::from_utf8_lossy(&a)
+        );
+        assert!(
+            threads() < before + 20,
+            "{} threads, {before} before",
+            threads()
+        );
+        // Past the deadline the strangers are dropped: they read end of file.
+        std::thread::sleep(QUESTION_WITHIN + Duration::from_millis(300));
+        let mut byte = [0u8; 1];
+        flood[0]
+            .set_read_timeout(Some(Duration::from_secs(2)))
+            .unwrap();
+        assert_eq!(flood[0].read(&mut byte).unwrap(), 0);
     }
 }
