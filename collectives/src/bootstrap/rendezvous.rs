@@ -155,7 +155,7 @@ impl Server {
             };
             // A bad join is refused alone: whoever sent it cannot end the job.
             let problem = match j.job == job_hex {
-                false => Some("another job's rendezvous".to_string()),
+                false => Some(format!("rank {} is from another job", j.info.rank)),
                 true => bad_join(&j, size, &joined),
             };
             if let Some(reason) = problem {
@@ -468,7 +468,7 @@ mod tests {
         let bad = |job: u128, size: usize, rank: Rank| {
             join(addr, job, size, info(rank), deadline).unwrap_err()
         };
-        assert!(bad(8, 2, 0).contains("another job's"));
+        assert!(bad(8, 2, 0).contains("from another job"));
         assert!(bad(7, 1 << 50, 0).contains("not between 1 and"));
         assert!(bad(7, 3, 0).contains("but the job has 2 ranks"));
         assert!(bad(7, 2, 5).contains("is not below"));

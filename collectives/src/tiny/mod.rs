@@ -128,8 +128,7 @@ fn extend(chain: u32, tag: Tag) -> u32 {
 impl Tiny {
     /// This rank's segment, and what peers need to open it: (pid, fd).
     pub fn create(max_bytes: usize) -> std::io::Result<(OwnedFd, [u64; 2])> {
-        let fd = rustix::fs::memfd_create("coll-tiny", rustix::fs::MemfdFlags::CLOEXEC)?;
-        rustix::fs::ftruncate(&fd, Segment::bytes(max_bytes) as u64)?;
+        let fd = transport::shm::sealed_memfd("coll-tiny", Segment::bytes(max_bytes))?;
         let id = [u64::from(std::process::id()), fd.as_raw_fd() as u64];
         Ok((fd, id))
     }
@@ -147,6 +146,8 @@ impl Tiny {
                 true => Segment::map(own.take().expect("once"), max_bytes, true),
                 false => {
                     let f = File::open(format!("/proc/{pid}/fd/{fd}"))?;
+                    // A peer's segment it could shrink under our mapping would fault us.
+                    transport::shm::check_sealed(&f, Segment::bytes(max_bytes))?;
                     Segment::map(f.into(), max_bytes, false)
                 }
             })

@@ -21,6 +21,7 @@
 
 mod connection;
 mod costs;
+mod memfd;
 mod peer_maps;
 mod segment;
 mod shared_buffer;
@@ -37,6 +38,7 @@ use rustix::net::{
 };
 
 pub use connection::ShmConnection;
+pub use memfd::{check_sealed, sealed_memfd};
 use segment::Segment;
 pub use shared_buffer::SharedBuffer;
 
@@ -129,7 +131,8 @@ impl Transport for ShmTransport {
                 hello.to
             )));
         }
-        let (pid, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
+        let (_, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
+        let pid = peer_pid(&ctl).map_err(Error::Invalid)?;
         let we_read_them = probe_remote(pid, probe);
         ctl.write_all(&[we_read_them as u8])
             .map_err(io("finish the handshake"))?;
@@ -244,7 +247,8 @@ fn handshake(
     }
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment: {e}"))?;
-    let (pid, probe, _) = parse_identity(&msg[HELLO_LEN..]);
+    let (_, probe, _) = parse_identity(&msg[HELLO_LEN..]);
+    let pid = peer_pid(&ctl)?;
     let we_read_them = options.single_copy && probe_remote(pid, probe);
     let mut reply = wire::encode_ack(me).to_vec();
     reply.extend_from_slice(&std::process::id().to_le_bytes());
@@ -282,6 +286,23 @@ pub(crate) fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
     let pid = u32::from_le_bytes(f[0..4].try_into().unwrap()) as i32;
     let probe = u64::from_le_bytes(f[4..12].try_into().unwrap());
     (pid, probe, f[12] == 1)
+}
+
+/// The pid of the process at the other end of `ctl`, from the kernel
+/// (`SO_PEERCRED`), not from what it says; a process of another user is
+/// refused: it may not share memory with this rank.
+fn peer_pid(ctl: &UnixStream) -> std::result::Result<i32, String> {
+    let cred = rustix::net::sockopt::socket_peercred(ctl)
+        .map_err(|e| format!("cannot learn who is at the other end of the socket: {e}"))?;
+    let (theirs, ours) = (cred.uid.as_raw(), rustix::process::getuid().as_raw());
+    if theirs != ours {
+        return Err(format!(
+            "a process of uid {theirs} (pid {}) connected; only uid {ours}'s may share memory \
+             with this rank",
+            cred.pid.as_raw_nonzero().get()
+        ));
+    }
+    Ok(cred.pid.as_raw_nonzero().get())
 }
 
 /// Whether we can read the peer's memory with process_vm_readv.

@@ -103,9 +103,10 @@ fn map_peer(pid: i32, fd: i32, ino: u64) -> std::io::Result<Mapped> {
             "the descriptor names another file now",
         ));
     }
-    let len = stat.st_size as usize;
+    let len = super::check_sealed(&file, 1)?;
     // SAFETY: a fresh read-only shared mapping of a file we hold; we only
-    // read it, at offsets checked against `len`. The owner never shrinks it.
+    // read it, at offsets checked against `len`. It is sealed: its owner
+    // cannot shrink it under us.
     let ptr = unsafe {
         rustix::mm::mmap(
             std::ptr::null_mut(),

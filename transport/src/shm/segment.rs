@@ -126,9 +126,7 @@ impl Segment {
     /// Creates an anonymous segment (memfd: it never has a name in
     /// /dev/shm, so a killed job cannot leave it behind) and maps it.
     pub fn create() -> std::io::Result<Self> {
-        let fd = rustix::fs::memfd_create("coll-shm", rustix::fs::MemfdFlags::CLOEXEC)?;
-        rustix::fs::ftruncate(&fd, SEGMENT_BYTES as u64)?;
-        let seg = Self::map(fd)?;
+        let seg = Self::map(super::sealed_memfd("coll-shm", SEGMENT_BYTES)?)?;
         // SAFETY: the fresh mapping is SEGMENT_BYTES long and ours alone.
         unsafe {
             // Touch every page now: first touch costs 5-10x a copy here,
@@ -154,13 +152,8 @@ impl Segment {
     }
 
     fn map(fd: OwnedFd) -> std::io::Result<Self> {
-        let size = rustix::fs::fstat(&fd)?.st_size as usize;
-        if size < SEGMENT_BYTES {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "segment too small",
-            ));
-        }
+        // A peer's segment it could shrink under our mapping would fault us.
+        super::check_sealed(&fd, SEGMENT_BYTES)?;
         // SAFETY: a fresh shared mapping of a file we hold; nothing else
         // in this process aliases it.
         let ptr = unsafe {

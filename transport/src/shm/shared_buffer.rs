@@ -17,7 +17,6 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::RwLock;
 
-use rustix::fs::MemfdFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 
 /// Zeroed memory that peers on the host can map (see the module's doc).
@@ -60,8 +59,7 @@ impl SharedBuffer {
                 fd: None,
             });
         }
-        let fd = rustix::fs::memfd_create("coll-buffer", MemfdFlags::CLOEXEC)?;
-        rustix::fs::ftruncate(&fd, len as u64)?;
+        let fd = super::sealed_memfd("coll-buffer", len)?;
         let ino = rustix::fs::fstat(&fd)?.st_ino;
         // SAFETY: a fresh shared mapping of a file we just sized; nothing
         // else in this process aliases it.
