@@ -29,7 +29,16 @@ pub(crate) fn meet(boot: &Bootstrap, me: PeerInfo, deadline: Instant) -> Result<
             addr,
             hosted_elsewhere,
             token,
+            secret,
         } => {
+            if !secret && hosting {
+                tracing::warn!(
+                    "the job's token is derived from MASTER_ADDR:MASTER_PORT ({addr}) and its size: \
+                     anyone who can reach that port can join; set {} to a random hex secret, the \
+                     same on every rank, to require it",
+                    super::TOKEN_VAR
+                );
+            }
             let server = (hosting && !hosted_elsewhere)
                 .then(|| Server::bind(*addr))
                 .transpose()?;
@@ -127,13 +136,21 @@ impl Announcer {
         })?;
         listener.set_nonblocking(true).map_err(|e| e.to_string())?;
         let (stop, line) = (Arc::new(AtomicBool::new(false)), format!("{line}\n"));
-        let flag = stop.clone();
+        let (flag, name) = (stop.clone(), name.to_string());
         let thread = std::thread::spawn(move || {
             while !flag.load(Ordering::Relaxed) && Instant::now() < deadline {
                 match listener.accept() {
-                    Ok((mut s, _)) => {
+                    // Another user's process learns nothing (abstract
+                    // sockets have no permissions: the kernel says who it is).
+                    Ok((mut s, _)) if same_user(&s).is_ok() => {
                         let _ = s.set_nonblocking(false);
                         let _ = s.write_all(line.as_bytes());
+                    }
+                    Ok((s, _)) => {
+                        tracing::warn!(
+                            "the rendezvous announcement on @{name}: {}",
+                            same_user(&s).unwrap_err()
+                        );
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
@@ -154,6 +171,9 @@ fn listen_for(name: &str, deadline: Instant) -> Result<String, String> {
     loop {
         match UnixStream::connect_addr(&addr) {
             Ok(s) => {
+                // Whoever holds the name first is not trusted for it: a
+                // process of another user may have taken it.
+                same_user(&s).map_err(|e| format!("the rendezvous announcement on @{name}: {e}"))?;
                 let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                 let mut line = String::new();
                 BufReader::new(s).read_line(&mut line).map_err(|e| format!("reading rank 0's announcement: {e}"))?;
@@ -167,5 +187,84 @@ fn listen_for(name: &str, deadline: Instant) -> Result<String, String> {
                 ))
             }
         }
+    }
+}
+
+/// Whether the process at the other end of `s` runs as this user.
+fn same_user(s: &UnixStream) -> Result<(), String> {
+    let cred = rustix::net::sockopt::socket_peercred(s).map_err(|e| e.to_string())?;
+    let (theirs, ours) = (cred.uid.as_raw(), rustix::process::getuid().as_raw());
+    match theirs == ours {
+        true => Ok(()),
+        false => Err(format!(
+            "pid {} of uid {theirs} is at the other end, not a process of this user (uid {ours})",
+            cred.pid.as_raw_nonzero()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::CommandExt;
+    use std::process::{Command, Stdio};
+
+    use super::*;
+
+    /// Runs a Python script as user `nobody`, or `None` when this test
+    /// cannot (not root, or no python3).
+    fn as_nobody(script: &str) -> Option<std::process::Child> {
+        if !rustix::process::getuid().is_root() {
+            eprintln!("skipped: needs root to run a process as another user");
+            return None;
+        }
+        Command::new("python3")
+            .args(["-c", script])
+            .uid(65534)
+            .gid(65534)
+            .stdout(Stdio::piped())
+            .spawn()
+            .ok()
+    }
+
+    /// Another user who takes the name first gets no rank to join it, and
+    /// one who asks rank 0's announcement gets nothing.
+    #[test]
+    fn another_users_process_neither_squats_nor_reads_the_announcement() {
+        let name = format!("coll-test-squat-{}", std::process::id());
+        let squat = format!(
+            "import socket,time\ns=socket.socket(socket.AF_UNIX)\ns.bind('\\0{name}')\ns.listen()\n\
+             print('up',flush=True)\nc,_=s.accept()\nc.sendall(b'127.0.0.1:1/{:032x}\\n')\ntime.sleep(1)",
+            7
+        );
+        let Some(mut squatter) = as_nobody(&squat) else {
+            return;
+        };
+        let mut up = String::new();
+        BufReader::new(squatter.stdout.take().unwrap())
+            .read_line(&mut up)
+            .unwrap();
+        let e = listen_for(&name, Instant::now() + Duration::from_secs(5)).unwrap_err();
+        assert!(e.contains("uid 65534"), "{e}");
+        let _ = squatter.kill();
+        let _ = squatter.wait();
+
+        let name = format!("coll-test-read-{}", std::process::id());
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let announcer = Announcer::start(&name, "127.0.0.1:1/secret", deadline).unwrap();
+        let read = format!(
+            "import socket\ns=socket.socket(socket.AF_UNIX)\ns.connect('\\0{name}')\n\
+             s.settimeout(2)\ntry: print(repr(s.recv(100)))\nexcept Exception as e: print('nothing')"
+        );
+        let reader = as_nobody(&read).unwrap().wait_with_output().unwrap();
+        let said = String::from_utf8_lossy(&reader.stdout);
+        assert!(
+            !said.contains("secret"),
+            "another user read the announcement: {said}"
+        );
+        assert_eq!(
+            listen_for(&name, deadline).unwrap().trim(),
+            "127.0.0.1:1/secret"
+        );
+        announcer.stop();
     }
 }

@@ -71,6 +71,9 @@ pub enum Meeting {
         addr: SocketAddr,
         hosted_elsewhere: bool,
         token: u128,
+        /// Whether the token is a secret (a unique id's, `COLL_JOB_TOKEN`),
+        /// not one anyone who knows the address and size can compute.
+        secret: bool,
     },
     /// MPICH's launcher: rank 0's address travels through PMI-1 on this fd.
     Pmi { fd: RawFd },
@@ -221,16 +224,20 @@ fn meeting(size: usize, local_size: Option<usize>) -> Result<Meeting, String> {
         } else if agent_store {
             addr.set_port(addr.port().wrapping_add(1));
         }
-        let token = match var(TOKEN_VAR) {
-            Some(t) => u128::from_str_radix(&t, 16)
-                .map_err(|_| format!("{TOKEN_VAR}='{t}' is not a hexadecimal token"))?,
+        let (token, secret) = match var(TOKEN_VAR) {
+            Some(t) => (
+                u128::from_str_radix(&t, 16)
+                    .map_err(|_| format!("{TOKEN_VAR}='{t}' is not a hexadecimal token"))?,
+                true,
+            ),
             // Without a token, tell jobs apart by rendezvous and size.
-            None => fnv1a(format!("{addr}/{size}").as_bytes()),
+            None => (fnv1a(format!("{addr}/{size}").as_bytes()), false),
         };
         return Ok(Meeting::Address {
             addr,
             hosted_elsewhere: var(LAUNCHER_VAR).is_some(),
             token,
+            secret,
         });
     }
     #[cfg(feature = "mpi")]

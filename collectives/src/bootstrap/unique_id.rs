@@ -101,6 +101,7 @@ impl UniqueId {
                 addr: self.addr(),
                 hosted_elsewhere: true,
                 token: self.token(),
+                secret: true,
             }),
             source: "unique id",
         })
