@@ -30,7 +30,7 @@ fi
 
 step "folders without circles of imports (ci/module_graph.py)"
 python3 ci/module_graph.py
-if cargo doc --version >/dev/null 2>&1; then
+if rustdoc --version >/dev/null 2>&1; then
   step "cargo doc without warnings"
   RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
 fi
