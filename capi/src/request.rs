@@ -180,8 +180,11 @@ pub unsafe extern "C" fn collRequestOnDone(
         if inner.on_done.is_some() {
             return Err(Failure::invalid("the request already has a callback"));
         }
+        // Kept even when called at once below: a second callback is refused
+        // whether or not the call had ended.
+        inner.on_done = Some((f, arg as usize));
         match inner.result.as_ref().map(|(code, _)| *code) {
-            None => inner.on_done = Some((f, arg as usize)),
+            None => {}
             Some(code) => {
                 drop(inner);
                 // SAFETY: the caller's promise.
