@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, RwLock};
 
 use collectives::{AsyncCommunicator, DataType, ErrorKind, ReduceOp};
 
@@ -106,17 +106,16 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
 /// collInvalidArgument instead of being followed. Calls hold a clone while
 /// they run, so a communicator destroyed meanwhile is freed when the last
 /// one returns, never under it.
-static LIVE: Mutex<BTreeMap<usize, Arc<collComm>>> = Mutex::new(BTreeMap::new());
-
-fn live() -> MutexGuard<'static, BTreeMap<usize, Arc<collComm>>> {
-    LIVE.lock().unwrap_or_else(|e| e.into_inner())
-}
+/// A read lock per call: calls on different communicators (a torch job's
+/// process groups, from their threads) do not wait for each other.
+static LIVE: RwLock<BTreeMap<usize, Arc<collComm>>> = RwLock::new(BTreeMap::new());
 
 /// Makes `comm` live and gives its handle.
 pub(crate) fn register(comm: collComm) -> collComm_t {
     let comm = Arc::new(comm);
     let handle = Arc::as_ptr(&comm).cast_mut();
-    live().insert(handle as usize, comm);
+    let mut live = LIVE.write().unwrap_or_else(|e| e.into_inner());
+    live.insert(handle as usize, comm);
     handle
 }
 
@@ -125,17 +124,16 @@ pub(crate) fn lookup(comm: collComm_t) -> Result<Arc<collComm>, Failure> {
     if comm.is_null() {
         return Err(Failure::invalid("comm is NULL"));
     }
-    live()
-        .get(&(comm as usize))
+    let live = LIVE.read().unwrap_or_else(|e| e.into_inner());
+    live.get(&(comm as usize))
         .cloned()
         .ok_or_else(|| not_live(comm))
 }
 
 /// Takes `comm` out of the live ones (collCommDestroy, collCommAbort).
 pub(crate) fn unregister(comm: collComm_t) -> Result<Arc<collComm>, Failure> {
-    live()
-        .remove(&(comm as usize))
-        .ok_or_else(|| not_live(comm))
+    let mut live = LIVE.write().unwrap_or_else(|e| e.into_inner());
+    live.remove(&(comm as usize)).ok_or_else(|| not_live(comm))
 }
 
 fn not_live(comm: collComm_t) -> Failure {

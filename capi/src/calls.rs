@@ -9,7 +9,7 @@ use std::ffi::{c_int, c_void};
 
 use collectives::{AsyncCommunicator, Buffers, CallArgs, Collective, DataType, VarCounts};
 
-use crate::boundary::{dtype, lookup, rank_arg, redop, with_comm, Failure};
+use crate::boundary::{dtype, rank_arg, redop, with_comm, Failure};
 use crate::request::{self, collRequest_t};
 use crate::{collComm, collComm_t, collResult_t, group, DataTypeArg, RedOpArg};
 
@@ -194,9 +194,9 @@ unsafe fn run(
     call: &collCall_t,
     request: Option<*mut collRequest_t>,
 ) -> collResult_t {
-    let n = lookup(comm).map_or(0, |c| c.size as usize);
+    // Given the communicator's size: the count arrays have that many entries.
     // SAFETY: the caller's promise (count arrays of `n` entries).
-    let args = || unsafe { call.args(n) };
+    let args = |n: usize| unsafe { call.args(n) };
     let (send, recv) = (call.sendbuff.cast::<u8>(), call.recvbuff.cast::<u8>());
     if group::recording() {
         if request.is_some() {
@@ -212,7 +212,7 @@ unsafe fn run(
     // SAFETY: the caller's promise.
     unsafe {
         with_comm(comm, |c, inner| {
-            let args = args()?;
+            let args = args(c.size as usize)?;
             // Lent to a Reduce off its root with a null receive buffer; owned
             // by the call (a background one frees it when done).
             let workspace = Box::into_raw(Box::<Vec<u64>>::default());

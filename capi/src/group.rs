@@ -44,7 +44,7 @@ pub(crate) fn recording() -> bool {
 /// The buffers must stay valid until the group ends.
 pub(crate) unsafe fn record(
     comm: collComm_t,
-    args: impl FnOnce() -> Result<CallArgs, Failure>,
+    args: impl FnOnce(usize) -> Result<CallArgs, Failure>,
     send: *const u8,
     recv: *mut u8,
     count: usize,
@@ -54,7 +54,7 @@ pub(crate) unsafe fn record(
         Err(f) => return guard(None, || Err(f)),
     };
     guard(Some(&c), || {
-        let args = args()?;
+        let args = args(c.size as usize)?;
         GROUP.with(|g| {
             g.borrow_mut().calls.push(Recorded {
                 comm: comm as usize,

@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use super::pmi::Pmi;
 use super::rendezvous::{self, PeerInfo, Server, Table};
 use super::{random_token, Bootstrap, Meeting};
+use transport::shm::peer_of_this_user;
 
 /// The PMI key under which rank 0 publishes its rendezvous.
 const PMI_KEY: &str = "coll-rendezvous";
@@ -142,16 +143,13 @@ impl Announcer {
                 match listener.accept() {
                     // Another user's process learns nothing (abstract
                     // sockets have no permissions: the kernel says who it is).
-                    Ok((mut s, _)) if same_user(&s).is_ok() => {
-                        let _ = s.set_nonblocking(false);
-                        let _ = s.write_all(line.as_bytes());
-                    }
-                    Ok((s, _)) => {
-                        tracing::warn!(
-                            "the rendezvous announcement on @{name}: {}",
-                            same_user(&s).unwrap_err()
-                        );
-                    }
+                    Ok((mut s, _)) => match peer_of_this_user(&s) {
+                        Ok(_) => {
+                            let _ = s.set_nonblocking(false);
+                            let _ = s.write_all(line.as_bytes());
+                        }
+                        Err(e) => tracing::warn!("the rendezvous announcement on @{name}: {e}"),
+                    },
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
             }
@@ -173,7 +171,7 @@ fn listen_for(name: &str, deadline: Instant) -> Result<String, String> {
             Ok(s) => {
                 // Whoever holds the name first is not trusted for it: a
                 // process of another user may have taken it.
-                same_user(&s).map_err(|e| format!("the rendezvous announcement on @{name}: {e}"))?;
+                peer_of_this_user(&s).map_err(|e| format!("the rendezvous announcement on @{name}: {e}"))?;
                 let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
                 let mut line = String::new();
                 BufReader::new(s).read_line(&mut line).map_err(|e| format!("reading rank 0's announcement: {e}"))?;
@@ -187,19 +185,6 @@ fn listen_for(name: &str, deadline: Instant) -> Result<String, String> {
                 ))
             }
         }
-    }
-}
-
-/// Whether the process at the other end of `s` runs as this user.
-fn same_user(s: &UnixStream) -> Result<(), String> {
-    let cred = rustix::net::sockopt::socket_peercred(s).map_err(|e| e.to_string())?;
-    let (theirs, ours) = (cred.uid.as_raw(), rustix::process::getuid().as_raw());
-    match theirs == ours {
-        true => Ok(()),
-        false => Err(format!(
-            "pid {} of uid {theirs} is at the other end, not a process of this user (uid {ours})",
-            cred.pid.as_raw_nonzero()
-        )),
     }
 }
 

@@ -467,7 +467,7 @@ pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
     let name = format!("coll-trace-rank{}-pid{}.json", dump.rank, dump.pid);
     let (path, part) = (
         dir.join(&name),
-        dir.join(format!(".{name}.{}", random_suffix())),
+        dir.join(format!(".{name}.{:x}", crate::bootstrap::random_token())),
     );
     let text = serde_json::to_string_pretty(dump).map_err(std::io::Error::other)?;
     let mut file = std::fs::OpenOptions::new()
@@ -479,13 +479,6 @@ pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
     file.write_all((text + "\n").as_bytes())?;
     std::fs::rename(&part, &path)?;
     Ok(path)
-}
-
-/// A name part no other writer picks.
-fn random_suffix() -> u64 {
-    let mut bytes = [0u8; 8];
-    let _ = rustix::rand::getrandom(&mut bytes, rustix::rand::GetRandomFlags::empty());
-    u64::from_le_bytes(bytes)
 }
 
 #[cfg(test)]

@@ -132,7 +132,7 @@ impl Transport for ShmTransport {
             )));
         }
         let (_, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
-        let pid = peer_pid(&ctl).map_err(Error::Invalid)?;
+        let pid = peer_of_this_user(&ctl).map_err(Error::Invalid)?;
         let we_read_them = probe_remote(pid, probe);
         ctl.write_all(&[we_read_them as u8])
             .map_err(io("finish the handshake"))?;
@@ -248,7 +248,7 @@ fn handshake(
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment: {e}"))?;
     let (_, probe, _) = parse_identity(&msg[HELLO_LEN..]);
-    let pid = peer_pid(&ctl)?;
+    let pid = peer_of_this_user(&ctl)?;
     let we_read_them = options.single_copy && probe_remote(pid, probe);
     let mut reply = wire::encode_ack(me).to_vec();
     reply.extend_from_slice(&std::process::id().to_le_bytes());
@@ -288,21 +288,21 @@ pub(crate) fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
     (pid, probe, f[12] == 1)
 }
 
-/// The pid of the process at the other end of `ctl`, from the kernel
-/// (`SO_PEERCRED`), not from what it says; a process of another user is
-/// refused: it may not share memory with this rank.
-fn peer_pid(ctl: &UnixStream) -> std::result::Result<i32, String> {
-    let cred = rustix::net::sockopt::socket_peercred(ctl)
+/// The pid of the process at the other end of a Unix socket, from the
+/// kernel (`SO_PEERCRED`), not from what it says; a process of another user
+/// is refused (it may not share memory with this rank, nor learn a job's
+/// secrets from it).
+pub fn peer_of_this_user(s: &UnixStream) -> std::result::Result<i32, String> {
+    let cred = rustix::net::sockopt::socket_peercred(s)
         .map_err(|e| format!("cannot learn who is at the other end of the socket: {e}"))?;
     let (theirs, ours) = (cred.uid.as_raw(), rustix::process::getuid().as_raw());
-    if theirs != ours {
-        return Err(format!(
-            "a process of uid {theirs} (pid {}) connected; only uid {ours}'s may share memory \
-             with this rank",
-            cred.pid.as_raw_nonzero().get()
-        ));
+    let pid = cred.pid.as_raw_nonzero().get();
+    match theirs == ours {
+        true => Ok(pid),
+        false => Err(format!(
+            "pid {pid} of uid {theirs} is at the other end, not a process of this user (uid {ours})"
+        )),
     }
-    Ok(cred.pid.as_raw_nonzero().get())
 }
 
 /// Whether we can read the peer's memory with process_vm_readv.
