@@ -19,6 +19,7 @@ use transport::tcp::TcpOptions;
 /// | `COLL_TCP_BUFFER` | socket buffer bytes (turns kernel autotuning off) | autotuned; the send buffer 512 KiB to a peer on the same host |
 /// | `COLL_SHM_SINGLE_COPY` | `0`: copy every shared-memory byte through the rings, never `process_vm_readv` | 1 |
 /// | `COLL_TINY` | small calls (AllReduce, Reduce, ReduceScatter, AllGather, AllToAll, Broadcast; up to this many bytes) and barriers among the ranks of one host run through shared flags, not messages (`K` suffix; 0: never; at most 1M) | 64K |
+/// | `COLL_CONNECT` | `lazy`: a connection to a peer is made when a call first needs it; `eager`: to every peer when the communicator is made | lazy |
 /// | `COLL_DEBUG` | log level: `WARN`, `INFO`, `DEBUG`, `TRACE` | WARN |
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -38,6 +39,9 @@ pub struct Config {
     /// larger buffer has up to this many bytes, and barriers, among ranks of
     /// one host take the flag path (`tiny.rs`); 0: never.
     pub tiny_bytes: usize,
+    /// Connect to every peer when the communicator is made, not when a
+    /// call first needs the peer (`COLL_CONNECT=eager`).
+    pub eager_connect: bool,
 }
 
 /// The default `tiny_bytes`. Measured: at 8-64 KiB the flag path took
@@ -64,6 +68,7 @@ impl Default for Config {
             tcp: TcpOptions::default(),
             shm: ShmOptions::default(),
             tiny_bytes: DEFAULT_TINY_BYTES,
+            eager_connect: false,
         }
     }
 }
@@ -95,6 +100,13 @@ impl Config {
         }
         if let Some(v) = var("COLL_TINY") {
             c.tiny_bytes = parse_size(&v).map_err(|e| format!("COLL_TINY: {e}"))? as usize;
+        }
+        if let Some(v) = var("COLL_CONNECT") {
+            c.eager_connect = match v.as_str() {
+                "lazy" => false,
+                "eager" => true,
+                _ => return Err(format!("COLL_CONNECT: '{v}' is neither 'lazy' nor 'eager'")),
+            };
         }
         if let Some(v) = var("COLL_SHM_SINGLE_COPY") {
             c.shm.single_copy = !matches!(v.as_str(), "0" | "false" | "no" | "off");

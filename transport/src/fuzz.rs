@@ -16,8 +16,11 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1024))]
 
     #[test]
-    fn any_hello_ack_or_header_decodes_or_is_refused(bytes in prop::array::uniform32(any::<u8>())) {
-        let _ = wire::decode_hello(&bytes);
+    fn any_hello_ack_or_header_decodes_or_is_refused(bytes in prop::array::uniform32(any::<u8>()), tail in any::<[u8; 4]>()) {
+        let mut hello = [0u8; wire::HELLO_LEN];
+        hello[..32].copy_from_slice(&bytes);
+        hello[32..].copy_from_slice(&tail);
+        let _ = wire::decode_hello(&hello);
         let _ = wire::decode_ack(bytes[..8].try_into().unwrap());
         if let Some(Frame::Abort { reason_len }) = wire::decode_header(&bytes) {
             prop_assert!(reason_len <= wire::MAX_REASON_LEN);
@@ -26,8 +29,8 @@ proptest! {
 
     #[test]
     fn hellos_and_headers_round_trip(token in any::<u128>(), from in 0usize..1 << 20, to in 0usize..1 << 20,
-                                     tag in any::<u128>(), len in 0usize..1 << 48) {
-        let h = Hello { token, from, to };
+                                     channel in any::<u8>(), tag in any::<u128>(), len in 0usize..1 << 48) {
+        let h = Hello { token, from, to, channel };
         prop_assert_eq!(wire::decode_hello(&wire::encode_hello(&h)), Ok(h));
         let f = Frame::Data { tag, len, seq: len as u32 ^ from as u32 };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(f)), Some(f));

@@ -105,6 +105,10 @@ pub struct Hello {
     pub from: Rank,
     /// Rank the sender means to reach (guards against stale addresses).
     pub to: Rank,
+    /// Which of the caller's independent connections between these two
+    /// ranks this is (the collectives layer's lanes), so a listener can
+    /// tell them apart however they arrive.
+    pub channel: u8,
 }
 
 /// A completion handle returned by [`Connection::isend`] / [`Connection::irecv`].
@@ -206,13 +210,14 @@ pub trait Listener: Send {
 
     /// Waits until `deadline` for the next peer that presents `token` and is
     /// addressed to `me`; connections with another token are refused, logged,
-    /// and waiting goes on. Returns the peer's rank and the connection.
+    /// and waiting goes on. Returns the peer's hello (its rank and channel)
+    /// and the connection.
     fn accept(
         &mut self,
         token: u128,
         me: Rank,
         deadline: Instant,
-    ) -> Result<(Rank, Box<dyn Connection>)>;
+    ) -> Result<(Hello, Box<dyn Connection>)>;
 }
 
 /// A reliable, ordered, bidirectional message connection to one peer.

@@ -4,8 +4,9 @@
 use crate::{Hello, Rank, Tag};
 
 /// Protocol version; a peer with another version is refused. 2: TCP
-/// connections of two streams, numbered messages.
-pub(crate) const VERSION: u32 = 2;
+/// connections of two streams, numbered messages. 3: the hello names its
+/// channel.
+pub(crate) const VERSION: u32 = 3;
 
 const HELLO_MAGIC: u32 = u32::from_le_bytes(*b"CLLH");
 const ACK_MAGIC: u32 = u32::from_le_bytes(*b"CLLK");
@@ -13,7 +14,7 @@ const DATA_MAGIC: u32 = u32::from_le_bytes(*b"CLLD");
 const ABORT_MAGIC: u32 = u32::from_le_bytes(*b"CLLA");
 const BYE_MAGIC: u32 = u32::from_le_bytes(*b"CLLB");
 
-pub(crate) const HELLO_LEN: usize = 32;
+pub(crate) const HELLO_LEN: usize = 36;
 pub(crate) const ACK_LEN: usize = 8;
 pub(crate) const HEADER_LEN: usize = 32;
 /// Longest abort reason read from a peer.
@@ -26,6 +27,7 @@ pub(crate) fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
     b[8..24].copy_from_slice(&h.token.to_le_bytes());
     b[24..28].copy_from_slice(&(h.from as u32).to_le_bytes());
     b[28..32].copy_from_slice(&(h.to as u32).to_le_bytes());
+    b[32..36].copy_from_slice(&u32::from(h.channel).to_le_bytes());
     b
 }
 
@@ -48,6 +50,7 @@ pub(crate) fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<Hello, BadHello> {
         token: u128::from_le_bytes(b[8..24].try_into().unwrap()),
         from: u32_at(b, 24) as Rank,
         to: u32_at(b, 28) as Rank,
+        channel: u8::try_from(u32_at(b, 32)).map_err(|_| BadHello::NotOurs)?,
     })
 }
 
@@ -129,6 +132,7 @@ mod tests {
             token: 0x0123_4567_89ab_cdef_0011_2233_4455_6677,
             from: 7,
             to: 3,
+            channel: 1,
         };
         assert_eq!(decode_hello(&encode_hello(&h)), Ok(h));
         assert_eq!(decode_hello(&[b'G'; HELLO_LEN]), Err(BadHello::NotOurs));

@@ -40,10 +40,11 @@ fn pair(t: &dyn Transport) -> (Box<dyn Connection>, Box<dyn Connection>) {
         token: TOKEN,
         from: 1,
         to: 0,
+        channel: 0,
     };
     let c1 = t.connect(&addr, hello, soon()).unwrap();
-    let (peer, c0) = acceptor.join().unwrap();
-    assert_eq!(peer, 1);
+    let (hello, c0) = acceptor.join().unwrap();
+    assert_eq!(hello.from, 1);
     (c0, c1)
 }
 
@@ -380,6 +381,7 @@ fn a_wrong_token_is_refused_and_the_peer_still_gets_in(make: fn() -> Box<dyn Tra
         token: 1,
         from: 1,
         to: 0,
+        channel: 0,
     };
     let err = t
         .connect(&addr, wrong, soon())
@@ -390,10 +392,11 @@ fn a_wrong_token_is_refused_and_the_peer_still_gets_in(make: fn() -> Box<dyn Tra
         token: TOKEN,
         from: 1,
         to: 0,
+        channel: 0,
     };
     let _c1 = t.connect(&addr, good, soon()).unwrap();
-    let (peer, _c0) = acceptor.join().unwrap().unwrap();
-    assert_eq!(peer, 1);
+    let (hello, _c0) = acceptor.join().unwrap().unwrap();
+    assert_eq!(hello.from, 1);
 }
 
 /// The contract suite as a module `$name` of tests over the transports
@@ -545,10 +548,11 @@ fn tcp_refuses_garbage_and_silence() {
         token: TOKEN,
         from: 1,
         to: 0,
+        channel: 0,
     };
     let _c1 = t.connect(addr.as_bytes(), good, soon()).unwrap();
-    let (peer, _c0) = acceptor.join().unwrap().unwrap();
-    assert_eq!(peer, 1);
+    let (hello, _c0) = acceptor.join().unwrap().unwrap();
+    assert_eq!(hello.from, 1);
 }
 
 /// The same contract over RDMA verbs, where a device exists (the soft-RoCE

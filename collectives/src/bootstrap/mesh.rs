@@ -1,18 +1,16 @@
-//! A rank's connections to every other rank: which transport each pair
+//! A rank's plan for reaching every other rank: which transport each pair
 //! uses (shared memory within a host, TCP between hosts, unless forced),
-//! and setting them up: each rank dials the lower ranks and accepts the
-//! higher ones, all at once. Every pair gets one connection per [`Lane`], so
+//! its listeners and the addresses it publishes. The connections follow
+//! from [`super::connector`], one per [`Lane`] of a pair, so
 //! point-to-point messages never queue behind (or between) a collective's.
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Instant;
 
 use transport::shm::ShmTransport;
 use transport::tcp::TcpTransport;
-use transport::{Connection, Hello, Listener, Rank, Transport};
+use transport::{Connection, Listener, Rank, Transport};
 
 use crate::bootstrap::rendezvous::{self, Table};
 use crate::Config;
@@ -72,13 +70,15 @@ pub(crate) enum Lane {
 
 pub(crate) const LANES: usize = 2;
 
-/// A connection to each peer (`None` for ourselves).
+/// A connection to each peer (`None` for ourselves, and for a peer not
+/// connected yet).
 pub(crate) type Conns = Vec<Option<Box<dyn Connection>>>;
 
-/// The connections, and how each was made.
-pub(crate) struct Mesh {
-    /// By lane, then by peer.
-    pub lanes: [Conns; LANES],
+/// How each peer is to be reached (connections come later, from a
+/// [`Connector`](super::connector::Connector)).
+pub(crate) struct Plan {
+    /// Index into the available transports, by peer (`None` for ourselves).
+    pub transport: Vec<Option<usize>>,
     /// The transport used to reach each rank (`None` for ourselves).
     pub via: Vec<Option<&'static str>>,
     /// The transports some connection uses (all of them in a job of one):
@@ -86,16 +86,14 @@ pub(crate) struct Mesh {
     pub used: Vec<Arc<dyn Transport>>,
 }
 
-/// Checks that the ranks agree on shared settings, picks a transport per
-/// peer, and connects to every peer.
-pub(crate) fn connect(
+/// Checks that the ranks agree on shared settings and picks a transport
+/// per peer.
+pub(crate) fn plan(
     available: &[Arc<dyn Transport>],
-    listeners: Vec<Box<dyn Listener>>,
     rank: Rank,
     table: &Table,
     config: &Config,
-    deadline: Instant,
-) -> Result<Mesh, String> {
+) -> Result<Plan, String> {
     let me = &table.peers[rank];
     if let Some(p) = table.peers.iter().find(|p| p.settings != me.settings) {
         return Err(format!(
@@ -103,7 +101,7 @@ pub(crate) fn connect(
             p.rank, p.settings, me.settings
         ));
     }
-    let plan: Vec<Option<usize>> = table
+    let transport: Vec<Option<usize>> = table
         .peers
         .iter()
         .map(|p| {
@@ -116,57 +114,33 @@ pub(crate) fn connect(
             Ok(available.iter().position(|t| t.name() == name))
         })
         .collect::<Result<_, String>>()?;
-    let streams = plan.iter().flatten().map(|&t| match available[t].name() {
-        "tcp" => 2,
-        _ => 1,
-    });
-    make_room_for(LANES as u64 * streams.sum::<u64>())?;
-    let acceptors = spawn_acceptors(listeners, rank, &plan, table.session, deadline);
-    let mut lanes: [Conns; LANES] =
-        std::array::from_fn(|_| (0..plan.len()).map(|_| None).collect());
-    let mut first_error = None;
-    // A peer's lanes are dialled one after the other, so its acceptor sees
-    // them in lane order.
-    'dial: for peer in 0..rank {
-        let t = &available[plan[peer].expect("peers have a transport")];
-        for lane in &mut lanes {
-            match dial(&**t, table, rank, peer, deadline) {
-                Ok(c) => lane[peer] = Some(c),
-                Err(e) => {
-                    first_error = Some(e);
-                    break 'dial;
-                }
-            }
-        }
-    }
-    for acceptor in acceptors {
-        let accepted = acceptor
-            .join()
-            .map_err(|_| "the accepting thread panicked".to_string())?;
-        for (peer, c) in accepted? {
-            let lane = (lanes.iter_mut())
-                .find(|l| l[peer].is_none())
-                .expect("an acceptor takes LANES connections per peer");
-            lane[peer] = Some(c);
-        }
-    }
-    if let Some(e) = first_error {
-        return Err(e);
-    }
-    let via = plan
+    let via = transport
         .iter()
         .map(|t| t.map(|i| available[i].name()))
         .collect();
     let mut used: Vec<Arc<dyn Transport>> = available
         .iter()
         .enumerate()
-        .filter(|(i, _)| plan.contains(&Some(*i)))
+        .filter(|(i, _)| transport.contains(&Some(*i)))
         .map(|(_, t)| t.clone())
         .collect();
     if used.is_empty() {
         used = available.to_vec();
     }
-    Ok(Mesh { lanes, via, used })
+    Ok(Plan {
+        transport,
+        via,
+        used,
+    })
+}
+
+/// Descriptors a connection over `transport` holds: two for TCP's two
+/// streams, one otherwise.
+pub(crate) fn descriptors(transport: &str) -> u64 {
+    match transport {
+        "tcp" => 2,
+        _ => 1,
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one if `needed`
@@ -174,7 +148,7 @@ pub(crate) fn connect(
 /// not fit under it: Linux starts processes at 1024, which a TCP job of 256
 /// ranks needs for its connections alone. Fails, saying so, where even the
 /// hard limit is too low.
-fn make_room_for(needed: u64) -> Result<(), String> {
+pub(crate) fn make_room_for(needed: u64) -> Result<(), String> {
     use rustix::process::{getrlimit, setrlimit, Resource};
     // Besides the connections: listeners, shared segments, the std streams.
     let needed = needed + 32;
@@ -203,88 +177,6 @@ fn make_room_for(needed: u64) -> Result<(), String> {
 
 fn has_verbs(p: &crate::bootstrap::rendezvous::PeerInfo) -> bool {
     p.addresses.contains_key("verbs")
-}
-
-fn dial(
-    t: &dyn Transport,
-    table: &Table,
-    rank: Rank,
-    peer: Rank,
-    deadline: Instant,
-) -> Result<Box<dyn Connection>, String> {
-    let blob = table.peers[peer]
-        .addresses
-        .get(t.name())
-        .and_then(|h| rendezvous::from_hex(h))
-        .ok_or_else(|| format!("rank {peer} published no {} address", t.name()))?;
-    let hello = Hello {
-        token: table.session,
-        from: rank,
-        to: peer,
-    };
-    t.connect(&blob, hello, deadline)
-        .map_err(|e| format!("could not connect to rank {peer} over {}: {e}", t.name()))
-}
-
-/// Connections from higher ranks, as an accepting thread collects them.
-type Accepted = Vec<(Rank, Box<dyn Connection>)>;
-
-/// A thread per listener that some higher rank will dial.
-fn spawn_acceptors(
-    listeners: Vec<Box<dyn Listener>>,
-    rank: Rank,
-    plan: &[Option<usize>],
-    token: u128,
-    deadline: Instant,
-) -> Vec<JoinHandle<Result<Accepted, String>>> {
-    listeners
-        .into_iter()
-        .enumerate()
-        .filter_map(|(t, listener)| {
-            let expect: Vec<Rank> = (rank + 1..plan.len())
-                .filter(|r| plan[*r] == Some(t))
-                .flat_map(|r| [r; LANES])
-                .collect();
-            (!expect.is_empty()).then(|| {
-                std::thread::spawn(move || accept_from(listener, rank, expect, token, deadline))
-            })
-        })
-        .collect()
-}
-
-fn accept_from(
-    mut listener: Box<dyn Listener>,
-    rank: Rank,
-    expect: Vec<Rank>,
-    token: u128,
-    deadline: Instant,
-) -> Result<Accepted, String> {
-    let mut got: Accepted = Vec::with_capacity(expect.len());
-    let count = |got: &Accepted, peer| got.iter().filter(|(r, _)| *r == peer).count();
-    while got.len() < expect.len() {
-        match listener.accept(token, rank, deadline) {
-            Ok((peer, conn)) if count(&got, peer) < count_in(&expect, peer) => {
-                got.push((peer, conn))
-            }
-            Ok((peer, _)) => {
-                tracing::warn!(rank, "refused an unexpected connection from rank {peer}")
-            }
-            Err(e) => {
-                let mut missing: Vec<Rank> = expect
-                    .iter()
-                    .copied()
-                    .filter(|r| count(&got, *r) < count_in(&expect, *r))
-                    .collect();
-                missing.dedup();
-                return Err(format!("rank(s) {missing:?} never connected: {e}"));
-            }
-        }
-    }
-    Ok(got)
-}
-
-fn count_in(expect: &[Rank], peer: Rank) -> usize {
-    expect.iter().filter(|r| **r == peer).count()
 }
 
 /// One INFO line naming every peer, how it is reached, and its address.

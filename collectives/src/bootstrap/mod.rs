@@ -30,12 +30,14 @@
 //!    the launcher's pid that all local ranks share as parent);
 //! 5. otherwise it is an error that says to set `MASTER_ADDR`/`MASTER_PORT`.
 //!
-//! Also here: which host a rank is on and its cores (`host`, `cpus`), and
-//! the `mesh` of connections the rendezvous leads to.
+//! Also here: which host a rank is on and its cores (`host`, `cpus`), the
+//! `mesh` plan of how each peer is reached, and the `connector` that makes
+//! a connection when a call first needs it.
 //!
 //! Owns: finding the ranks and connecting them. May not touch: calls,
 //! schedules, the communicator (which calls in to set itself up).
 
+pub(crate) mod connector;
 pub(crate) mod cpus;
 pub mod host;
 pub mod launch;

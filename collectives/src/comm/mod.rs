@@ -29,7 +29,8 @@ use std::time::Instant;
 use transport::{Listener, Rank, RegistrationCache, Transport};
 
 use crate::algo::{Algorithm, Topology};
-use crate::bootstrap::mesh;
+use crate::bootstrap::connector::{self, Connector};
+use crate::bootstrap::mesh::{self, Conns, LANES};
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::bootstrap::{self, Bootstrap};
 use crate::call::args::{CallArgs, Peer};
@@ -141,8 +142,21 @@ impl Communicator {
             source,
         } = setup;
         let fail = |message: String| Error::Bootstrap { rank, message };
-        let mesh =
-            mesh::connect(&available, listeners, rank, &table, &config, deadline).map_err(fail)?;
+        let plan = mesh::plan(&available, rank, &table, &config).map_err(fail)?;
+        let routes = connector::routes(&available, &plan.transport, &table).map_err(fail)?;
+        let tcp = (available.iter().find(|t| t.name() == "tcp"))
+            .expect("TCP is always available")
+            .clone();
+        let mut connector =
+            Connector::new(rank, &table, routes, tcp, listeners, config.timeout);
+        let size = table.peers.len();
+        let mut lanes: [Conns; LANES] = std::array::from_fn(|_| (0..size).map(|_| None).collect());
+        if config.eager_connect {
+            let peers: Vec<Rank> = (0..size).filter(|&p| p != rank).collect();
+            connect_lanes(&mut connector, &mut lanes, &peers, &plan.via, deadline)
+                .map_err(|e| fail(e.to_string()))?;
+        }
+        let mesh = plan;
         let used: Vec<&dyn Transport> = mesh.used.iter().map(|t| &**t).collect();
         let staging = Staging::new(&used, config.chunk_bytes, config.depth)
             .map_err(|e| fail(e.to_string()))?;
@@ -160,7 +174,6 @@ impl Communicator {
             );
         }
         let spin = crate::bootstrap::cpus::spin(local_ranks.len());
-        let size = table.peers.len();
         mesh::log_peers(rank, &table, &mesh.via);
         tracing::info!(
             rank,
@@ -206,7 +219,8 @@ impl Communicator {
             links: Links {
                 available,
                 transports: mesh.used,
-                lanes: mesh.lanes,
+                lanes,
+                connector,
                 staging,
                 registrations: RegistrationCache::new(),
             },
@@ -488,6 +502,7 @@ impl Communicator {
         self.inflight.fail_all(self.rank, reason);
         // The caller gets the error itself; the log only records the abort.
         tracing::info!(rank = self.rank, "aborting the communicator: {reason}");
+        self.links.connector.close(reason);
         for c in self.links.lanes.iter_mut().flatten().flatten() {
             c.abort(reason);
         }
@@ -540,6 +555,48 @@ fn listen(
 ) -> std::result::Result<(Vec<Box<dyn Listener>>, mesh::Addresses), String> {
     let (listeners, addresses) = mesh::listen(available).map_err(|e| e.to_string())?;
     Ok((listeners, crate::observe::status::publish(addresses)))
+}
+
+/// Makes the connections to `peers` on every lane that are not made yet.
+fn connect_lanes(
+    connector: &mut Connector,
+    lanes: &mut [Conns; LANES],
+    peers: &[Rank],
+    via: &[Option<&'static str>],
+    deadline: Instant,
+) -> transport::Result<()> {
+    for (lane, conns) in lanes.iter_mut().enumerate() {
+        connect(connector, conns, lane as u8, peers, via, deadline)?;
+    }
+    Ok(())
+}
+
+/// Makes the connections on `lane` to those of `peers` that have none.
+pub(crate) fn connect(
+    connector: &mut Connector,
+    conns: &mut Conns,
+    lane: u8,
+    peers: &[Rank],
+    via: &[Option<&'static str>],
+    deadline: Instant,
+) -> transport::Result<()> {
+    let missing: Vec<Rank> = (peers.iter().copied())
+        .filter(|&p| conns[p].is_none())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let held: u64 = (conns.iter().enumerate())
+        .filter(|(_, c)| c.is_some())
+        .chain(missing.iter().map(|&p| (p, &None)))
+        .map(|(p, _)| via[p].map_or(0, mesh::descriptors))
+        .sum();
+    // Every lane may come to hold as many: a coarse bound, raised once.
+    mesh::make_room_for(LANES as u64 * held).map_err(transport::Error::Invalid)?;
+    for (p, c) in connector.connect(&missing, lane, deadline)? {
+        conns[p] = Some(c);
+    }
+    Ok(())
 }
 
 /// The ranks of `peers` grouped by host, in rank order.

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use transport::{Rank, RegistrationCache, Transport};
 
+use crate::bootstrap::connector::Connector;
 use crate::bootstrap::mesh::{Conns, LANES};
 use crate::bootstrap::rendezvous::PeerInfo;
 use crate::exec::transfers::Staging;
@@ -26,7 +27,10 @@ pub(crate) struct Links {
     pub available: Vec<Arc<dyn Transport>>,
     /// Transports some connection uses; buffers are registered with each.
     pub transports: Vec<Arc<dyn Transport>>,
+    /// By lane, then by peer; `None` until a call needs the peer.
     pub lanes: [Conns; LANES],
+    /// Makes the connections.
+    pub connector: Connector,
     pub staging: Staging,
     pub registrations: RegistrationCache,
 }

@@ -493,8 +493,36 @@ impl Communicator {
         run.lane = lane as usize;
         run.copy_out = copy_out;
         run.exec.start(&run.sched, self.size, windows);
+        let lane = lane as usize;
+        let unconnected = |(p, (i, c)): (usize, (&bool, &Option<_>))| *i && c.is_none() && p != rank;
+        let conns = run.exec.involved().iter().zip(&self.links.lanes[lane]);
+        if conns.enumerate().any(unconnected) {
+            self.connect_for(&run.exec.involved().to_vec(), lane)
+                .map_err(|e| Error::collective(rank, desc, e))?;
+        }
         self.inflight.calls[at].state = State::Running(run);
         Ok(())
+    }
+
+    /// Connects, on `lane`, to the peers flagged in `involved` that have no
+    /// connection yet: the first call to need a peer pays for it.
+    #[cold]
+    fn connect_for(&mut self, involved: &[bool], lane: usize) -> transport::Result<()> {
+        let rank = self.rank;
+        let peers: Vec<usize> = (involved.iter().enumerate())
+            .filter(|&(p, i)| *i && p != rank)
+            .map(|(p, _)| p)
+            .collect();
+        let deadline = std::time::Instant::now() + self.config.timeout;
+        let links = &mut self.links;
+        super::connect(
+            &mut links.connector,
+            &mut links.lanes[lane],
+            lane as u8,
+            &peers,
+            &self.job.via,
+            deadline,
+        )
     }
 
     /// On a communicator with the flag path, starts call `at` there if it

@@ -177,7 +177,7 @@ impl Listener for ShmListener {
         token: u128,
         me: Rank,
         deadline: Instant,
-    ) -> Result<(Rank, Box<dyn Connection>)> {
+    ) -> Result<(Hello, Box<dyn Connection>)> {
         loop {
             let ctl = self.accept_one(deadline)?;
             match handshake(ctl, token, me, self.options, deadline) {
@@ -228,7 +228,7 @@ fn handshake(
     me: Rank,
     options: ShmOptions,
     deadline: Instant,
-) -> std::result::Result<(Rank, Box<dyn Connection>), String> {
+) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
     // A stranger gets a second to say hello, not the whole deadline.
     let patience = Instant::now() + Duration::from_secs(1);
     set_timeouts(&ctl, deadline.min(patience)).map_err(|e| e.to_string())?;
@@ -263,7 +263,7 @@ fn handshake(
     log_mode(hello.from, remote_reads);
     let conn = ShmConnection::new(seg, ctl, hello.from, pid, 1, remote_reads)
         .map_err(|e| e.to_string())?;
-    Ok((hello.from, Box::new(conn)))
+    Ok((hello, Box::new(conn)))
 }
 
 fn log_mode(peer: Rank, remote_reads: bool) {

@@ -9,7 +9,7 @@ use socket2::{Domain, Socket, Type};
 
 use super::{configure, TcpConnection, TcpOptions};
 use crate::wire::{self, BadHello, HELLO_LEN};
-use crate::{Connection, Error, Listener, Rank, Result};
+use crate::{Connection, Error, Hello, Listener, Rank, Result};
 
 /// How long an accepted socket may take to say hello before it is dropped.
 const HELLO_PATIENCE: Duration = Duration::from_secs(10);
@@ -20,8 +20,8 @@ pub struct TcpListener {
     address: SocketAddr,
     options: TcpOptions,
     greeting: Vec<Greeting>,
-    /// Peers whose first stream is accepted and whose second is not yet.
-    half_open: Vec<(Rank, TcpStream)>,
+    /// Connections whose first stream is accepted and whose second is not yet.
+    half_open: Vec<(Hello, TcpStream)>,
 }
 
 /// An accepted socket whose hello is not complete yet.
@@ -86,7 +86,7 @@ impl TcpListener {
 
     /// Reads what hellos have arrived; returns the first valid one, dropping
     /// (and logging) strangers and the silent.
-    fn take_greeted(&mut self, token: u128, me: Rank) -> Option<(Rank, TcpStream)> {
+    fn take_greeted(&mut self, token: u128, me: Rank) -> Option<(Hello, TcpStream)> {
         let mut i = 0;
         while i < self.greeting.len() {
             match self.greeting[i].check(token, me) {
@@ -124,7 +124,7 @@ impl TcpListener {
 enum Check {
     Waiting,
     Drop,
-    Accept(Rank),
+    Accept(Hello),
 }
 
 impl Greeting {
@@ -167,7 +167,7 @@ impl Greeting {
             Ok(h) => {
                 let ack = wire::encode_ack(me);
                 match self.stream.write(&ack) {
-                    Ok(n) if n == ack.len() => Check::Accept(h.from),
+                    Ok(n) if n == ack.len() => Check::Accept(h),
                     _ => refuse(format!("could not acknowledge rank {}", h.from)),
                 }
             }
@@ -185,14 +185,14 @@ impl Listener for TcpListener {
         token: u128,
         me: Rank,
         deadline: Instant,
-    ) -> Result<(Rank, Box<dyn Connection>)> {
-        // A peer dials its two lanes in turn (see `TcpTransport::connect`).
+    ) -> Result<(Hello, Box<dyn Connection>)> {
+        // A peer dials its two streams in turn (see `TcpTransport::connect`).
         loop {
-            let (peer, stream) =
+            let (hello, stream) =
                 self.accept_greeted(token, me, deadline).map_err(|e| {
                     match self.half_open.first() {
-                        Some(&(peer, _)) => Error::io(
-                            Some(peer),
+                        Some(&(h, _)) => Error::io(
+                            Some(h.from),
                             "accept",
                             &std::io::Error::new(
                                 ErrorKind::TimedOut,
@@ -202,13 +202,14 @@ impl Listener for TcpListener {
                         None => e,
                     }
                 })?;
-            match self.half_open.iter().position(|(r, _)| *r == peer) {
+            let same = |h: &Hello| (h.from, h.channel) == (hello.from, hello.channel);
+            match self.half_open.iter().position(|(h, _)| same(h)) {
                 Some(i) => {
                     let (_, first) = self.half_open.swap_remove(i);
-                    let conn = TcpConnection::new([first, stream], false, peer)?;
-                    return Ok((peer, Box::new(conn)));
+                    let conn = TcpConnection::new([first, stream], false, hello.from)?;
+                    return Ok((hello, Box::new(conn)));
                 }
-                None => self.half_open.push((peer, stream)),
+                None => self.half_open.push((hello, stream)),
             }
         }
     }
@@ -222,13 +223,13 @@ impl TcpListener {
         token: u128,
         me: Rank,
         deadline: Instant,
-    ) -> Result<(Rank, TcpStream)> {
+    ) -> Result<(Hello, TcpStream)> {
         loop {
             self.drain_backlog()?;
-            if let Some((peer, stream)) = self.take_greeted(token, me) {
+            if let Some((hello, stream)) = self.take_greeted(token, me) {
                 configure(&stream, self.options)
-                    .map_err(|e| Error::io(Some(peer), "configure socket", &e))?;
-                return Ok((peer, stream));
+                    .map_err(|e| Error::io(Some(hello.from), "configure socket", &e))?;
+                return Ok((hello, stream));
             }
             if Instant::now() >= deadline {
                 return Err(Error::io(
@@ -255,12 +256,13 @@ mod tests {
             token: 7,
             from: 3,
             to: 0,
+            channel: 0,
         };
         first.write_all(&wire::encode_hello(&hello)).unwrap();
         let deadline = Instant::now() + Duration::from_millis(300);
         let err = match listener.accept(7, 0, deadline) {
             Err(e) => e,
-            Ok((peer, _)) => panic!("accepted rank {peer} on one stream"),
+            Ok((h, _)) => panic!("accepted rank {} on one stream", h.from),
         };
         assert_eq!(err.peer(), Some(3), "{err}");
         assert!(err.to_string().contains("not the second"), "{err}");

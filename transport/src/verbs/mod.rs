@@ -195,10 +195,11 @@ impl Listener for VerbsListener {
         token: u128,
         me: Rank,
         deadline: Instant,
-    ) -> Result<(Rank, Box<dyn Connection>)> {
-        let (peer, side) = self.side.accept_greeted(token, me, deadline)?;
+    ) -> Result<(Hello, Box<dyn Connection>)> {
+        let (hello, side) = self.side.accept_greeted(token, me, deadline)?;
+        let peer = hello.from;
         Ok((
-            peer,
+            hello,
             establish(side, peer, &self.port, &self.pd, self.settings, deadline)?,
         ))
     }
