@@ -500,7 +500,7 @@ static void test_groups(collComm_t comm) {
     CHECK(pair, collSend(b, sizeof b, collUint8, 1, pair));
     CHECK(pair, collRecv(c2, sizeof c2, collUint8, 1, pair));
     collResult_t r = collGroupEnd();
-    EXPECT(r == collRemoteError, "group with a departed peer: %s", collGetErrorString(r));
+    EXPECT(r == collRemoteError, "group with a departed peer: %s (%s)", collGetErrorString(r), collGetLastError(pair));
     EXPECT(strstr(collGetLastError(pair), "peer rank 1") != NULL, "group error: %s", collGetLastError(pair));
     CHECK(NULL, collCommDestroy(pair));
   }

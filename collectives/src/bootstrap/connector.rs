@@ -31,6 +31,13 @@ const GRACE: Duration = Duration::from_millis(50);
 /// How often the accepting threads look whether they are still wanted.
 const POLL: Duration = Duration::from_millis(500);
 
+/// How often a rank that asked a peer to dial looks whether it refused.
+const ASKED_POLL: Duration = Duration::from_millis(10);
+
+/// How long after a peer closed our request its connection may take to
+/// show (it dials, then closes); then it is a peer that left.
+const LEFT_AFTER: Duration = Duration::from_secs(1);
+
 /// A connection's place: the peer and the lane.
 type Key = (Rank, u8);
 
@@ -130,7 +137,8 @@ impl Connector {
             s.dial((p, lane));
         }
         let grace = Instant::now() + GRACE;
-        let mut asked = false;
+        // Requests made, and since when each is closed.
+        let mut asked: Option<Vec<(Box<dyn Connection>, Option<Instant>)>> = None;
         let mut slots = s.lock();
         let got = loop {
             let missing: Vec<Rank> = (peers.iter().copied())
@@ -160,17 +168,35 @@ impl Connector {
                     waiting_for: format!("it to connect on lane {lane}{others}"),
                 });
             }
-            if now >= grace && !asked {
-                asked = true;
-                drop(slots);
-                for &p in missing.iter().filter(|p| higher.contains(p)) {
-                    s.ask(p, lane, deadline)?;
+            match &mut asked {
+                None if now >= grace => {
+                    drop(slots);
+                    let to = missing.iter().filter(|p| higher.contains(p));
+                    let ask = |&p| Ok((s.ask(p, lane, deadline)?, None));
+                    asked = Some(to.map(ask).collect::<transport::Result<_>>()?);
+                    slots = s.lock();
+                    continue;
                 }
-                slots = s.lock();
-                continue;
+                None => slots = s.arrived.wait_timeout(slots, grace - now).unwrap().0,
+                // A peer closes our request once it dialled back, at once
+                // if it left, or aborts it saying why it cannot.
+                Some(requests) => {
+                    for (r, closed) in requests.iter_mut() {
+                        match r.progress() {
+                            Err(transport::Error::Closed { peer }) => {
+                                let since = *closed.get_or_insert(now);
+                                if now - since > LEFT_AFTER && missing.contains(&peer) {
+                                    return Err(transport::Error::Closed { peer });
+                                }
+                            }
+                            Err(e) => return Err(e),
+                            Ok(_) => {}
+                        }
+                    }
+                    let until = deadline.min(now + ASKED_POLL);
+                    slots = s.arrived.wait_timeout(slots, until - now).unwrap().0;
+                }
             }
-            let until = if asked { deadline } else { grace.min(deadline) };
-            slots = s.arrived.wait_timeout(slots, until - now).unwrap().0;
         };
         for &p in peers {
             slots.taken.insert((p, lane));
@@ -246,8 +272,9 @@ impl Shared {
         self.arrived.notify_all();
     }
 
-    /// Asks the higher rank `peer` to dial us on `lane`.
-    fn ask(&self, peer: Rank, lane: u8, deadline: Instant) -> transport::Result<()> {
+    /// Asks the higher rank `peer` to dial us on `lane`. The request's
+    /// connection is kept: a peer that cannot dial back aborts it, saying why.
+    fn ask(&self, peer: Rank, lane: u8, deadline: Instant) -> transport::Result<Box<dyn Connection>> {
         let route = self.routes[peer].as_ref().ok_or_else(|| no_route(peer))?;
         let hello = Hello {
             token: self.token,
@@ -256,14 +283,19 @@ impl Shared {
             channel: REQUEST | lane,
         };
         tracing::debug!(rank = self.rank, peer, lane, "asking a peer to connect");
-        self.tcp.connect(&route.request_to, hello, deadline).map(drop)
+        let mut c = self.tcp.connect(&route.request_to, hello, deadline)?;
+        // A receive of nothing, so that progress reads a refusal's reason.
+        let nothing = transport::MemRegion::plain(std::ptr::NonNull::dangling().as_ptr(), 0);
+        // SAFETY: zero bytes: nothing is ever written through it.
+        unsafe { c.irecv(&nothing, 0, 0, 0) }?;
+        Ok(c)
     }
 
     /// What an accepting thread does with a connection from `hello.from`.
     fn arrive(&self, hello: Hello, mut c: Box<dyn Connection>) {
         let (peer, channel) = (hello.from, hello.channel);
         if channel & REQUEST != 0 && peer < self.rank {
-            drop(c);
+            // Dropped once the dial is made: the asker polls it meanwhile.
             return self.dial((peer, channel & !REQUEST));
         }
         if channel & REQUEST != 0 || peer < self.rank {
@@ -303,9 +335,10 @@ fn accept_loop(shared: Weak<Shared>, mut listener: Box<dyn Listener>) {
         drop(s);
         let deadline = Instant::now() + POLL;
         match listener.accept(token, rank, deadline) {
-            Ok((hello, c)) => match shared.upgrade() {
+            Ok((hello, c)) => match shared.upgrade().filter(|s| !s.lock().stop) {
                 Some(s) => s.arrive(hello, c),
-                None => return,
+                // Closed without a word: the peer sees one that left.
+                None => return drop(c),
             },
             // A failure before the deadline (out of descriptors, say):
             // not a reason to spin.

@@ -160,20 +160,18 @@ impl<'a> Group<'a> {
             let (i, o) = unsafe { (e.input.map(|b| b.bytes()), e.output.bytes()) };
             e.args.check(rank, size, i, o).is_ok()
         });
-        let mut started: Vec<CallId> = Vec::with_capacity(entries.len());
-        let mut first_error = None;
+        // Each call's start, in call order: a call that fails as it begins
+        // aborts the communicator, and the calls started after it are
+        // refused for that; the first error in call order is the cause.
+        let mut started: Vec<Result<CallId>> = Vec::with_capacity(entries.len());
         for entry in entries.iter().chain(fused.iter().map(|f| &f.entry)) {
             // SAFETY: the buffers are borrowed for 'a (or owned by `fused`),
             // and every started call is waited for below.
-            match unsafe { comm.start(&entry.args, entry.input, entry.output) } {
-                Ok(id) => started.push(id),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
+            started.push(unsafe { comm.start(&entry.args, entry.input, entry.output) });
         }
-        for id in started {
-            if let Err(e) = comm.wait(id) {
+        let mut first_error = None;
+        for call in started {
+            if let Err(e) = call.and_then(|id| comm.wait(id)) {
                 first_error.get_or_insert(e);
             }
         }

@@ -126,12 +126,20 @@ pub(crate) fn parse_address(blob: &[u8]) -> Result<SocketAddr> {
         })
 }
 
-/// Connects, retrying refusals until `deadline` (a listener's backlog can
-/// overflow when many ranks connect at once).
+/// Connects, retrying failures until `deadline` (a listener's backlog can
+/// overflow when many ranks connect at once), refusals for a second at
+/// most: a port nobody listens on any more is a peer that left.
 fn connect_with_retry(addr: SocketAddr, hello: Hello, deadline: Instant) -> Result<TcpStream> {
+    let refused_for = Instant::now() + REFUSED_PATIENCE;
     loop {
         match TcpStream::connect_timeout(&addr, remaining(deadline)) {
             Ok(s) => return Ok(s),
+            Err(e)
+                if e.kind() == std::io::ErrorKind::ConnectionRefused
+                    && Instant::now() >= refused_for =>
+            {
+                return Err(Error::Closed { peer: hello.to })
+            }
             Err(e) if Instant::now() + Duration::from_millis(20) < deadline => {
                 tracing::debug!(peer = hello.to, %addr, "connect failed ({e}), retrying");
                 std::thread::sleep(Duration::from_millis(20));
@@ -140,6 +148,9 @@ fn connect_with_retry(addr: SocketAddr, hello: Hello, deadline: Instant) -> Resu
         }
     }
 }
+
+/// How long a refused connection is retried.
+const REFUSED_PATIENCE: Duration = Duration::from_secs(1);
 
 /// Time left before `deadline`, at least a millisecond (zero means "forever"
 /// to socket timeouts).
