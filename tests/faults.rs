@@ -599,12 +599,17 @@ fn elastic_job(seed: u64, n: usize, transport: &str) {
 /// connections fit; a hard one too low is an error that says so.
 #[test]
 fn the_open_files_limit_is_raised_or_named() {
+    // Connecting to every peer at once (a pingpong alone connects few).
     let under = |limits: &str| {
         let script = format!(
             "ulimit {limits} && exec {} --ranks 8 pingpong 3",
             worker().display()
         );
-        let env = [("COLL_TIMEOUT", "20"), ("COLL_TRANSPORT", "tcp")];
+        let env = [
+            ("COLL_TIMEOUT", "20"),
+            ("COLL_TRANSPORT", "tcp"),
+            ("COLL_CONNECT", "eager"),
+        ];
         run(
             Path::new("/bin/sh"),
             &["-c", &script],

@@ -100,5 +100,5 @@ pub use error::{Error, ErrorKind, Result};
 pub use fault::abort::AbortHandle;
 pub use observe::recorder::{CallRecord, Dump, PeerStats, Stats, WaitRecord};
 pub use sys::huge_buffer::HugeBuffer;
-pub use transport::shm::SharedBuffer;
+pub use transport::shm::{connection_bytes as shm_connection_bytes, SharedBuffer};
 pub use transport::Rank;

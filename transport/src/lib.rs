@@ -197,6 +197,13 @@ pub trait Transport: Send + Sync {
         deadline: Instant,
     ) -> Result<Box<dyn Connection>>;
 
+    /// Says this process may connect to up to `peers` ranks over this
+    /// transport, so it can size what each connection holds (shared memory
+    /// shrinks its rings when many ranks share a host). Only ever grows.
+    fn expect_peers(&self, peers: usize) {
+        let _ = peers;
+    }
+
     /// Makes `len` bytes at `addr` usable by this transport's data calls.
     /// Registration only records (or pins) the range; the lifetime obligations
     /// fall on [`Connection::isend`] and [`Connection::irecv`].

@@ -12,12 +12,14 @@ use crate::cli::BenchArgs;
 /// this project's everyday test; thousands per core is a typo).
 pub const RANKS_PER_CORE: usize = 32;
 
-/// A rank's memory besides its two buffers: staging, two shared-memory
-/// lanes to every local peer (about 2 MiB each), the process itself.
+/// A rank's memory besides its two buffers: staging, a shared-memory
+/// connection to every local peer (as an AllToAll makes; each holds less
+/// when many ranks share the host), the flag path's segment, the process.
 fn baseline_bytes(ranks: usize, config: &Config) -> u64 {
     let staging = (config.chunk_bytes * config.depth) as u64;
-    let lanes = 2 * (2 << 20) * ranks.saturating_sub(1) as u64;
-    staging + lanes + (24 << 20)
+    let peers = ranks.saturating_sub(1);
+    let connections = (collectives::shm_connection_bytes(peers) * peers) as u64;
+    staging + connections + (5 << 20) + (24 << 20)
 }
 
 /// Checks a local launch of `ranks` ranks before any is spawned.

@@ -114,10 +114,27 @@ pub struct Summary {
     pub wrong: u64,
     pub avg_busbw_gbs: f64,
     pub peak_rss_bytes_max: u64,
+    /// The slowest rank's seconds to form the communicator.
+    pub init_seconds_max: f64,
+    /// Connections (each lane of a pair counts) the busiest rank held,
+    /// and the longest any rank spent making its connections.
+    pub connections_max: u64,
+    pub connect_seconds_max: f64,
+    /// Whether connections were made at init (`COLL_CONNECT=eager`).
+    pub eager_connect: bool,
+}
+
+/// What every rank reports of its start-up, the maximum over ranks.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StartUp {
+    pub init_seconds: f64,
+    pub connections: u64,
+    pub connect_seconds: f64,
+    pub eager: bool,
 }
 
 impl Summary {
-    pub fn of(rows: &[Row], peak_rss: u64) -> Self {
+    pub fn of(rows: &[Row], peak_rss: u64, start: StartUp) -> Self {
         let modes: Vec<&Mode> = rows
             .iter()
             .flat_map(|r| [Some(&r.out_of_place), r.in_place.as_ref()])
@@ -131,6 +148,10 @@ impl Summary {
                 modes.iter().map(|m| m.busbw_gbs).sum::<f64>() / modes.len() as f64
             },
             peak_rss_bytes_max: peak_rss,
+            init_seconds_max: start.init_seconds,
+            connections_max: start.connections,
+            connect_seconds_max: start.connect_seconds,
+            eager_connect: start.eager,
         }
     }
 }
@@ -144,6 +165,16 @@ pub fn footer(out: &mut dyn Write, s: &Summary, buffers: u64) -> std::io::Result
         "# Peak memory per rank : {} (largest rank's VmHWM; its two buffers are {} each)",
         human_bytes(s.peak_rss_bytes_max),
         human_bytes(buffers)
+    )?;
+    let when = match s.eager_connect {
+        true => "at start-up, COLL_CONNECT=eager",
+        false => "by the first calls to need them",
+    };
+    writeln!(
+        out,
+        "# Start-up             : {:.3} s to form the communicator (slowest rank); {} connections \
+         per rank at most, made in {:.3} s ({when})",
+        s.init_seconds_max, s.connections_max, s.connect_seconds_max
     )?;
     writeln!(out, "#")
 }

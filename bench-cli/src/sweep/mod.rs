@@ -72,7 +72,8 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
         .comm
         .all_reduce_in_place(&mut peak, collectives::ReduceOp::Max)
         .map_err(|e| e.to_string())?;
-    let summary = report::Summary::of(&rows, peak[0]);
+    let start = start_up(bench.comm).map_err(|e| e.to_string())?;
+    let summary = report::Summary::of(&rows, peak[0], start);
     if rank0 {
         report::footer(&mut *out, &summary, max_bytes).map_err(io)?;
         if let Some(path) = &args.json {
@@ -101,6 +102,19 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
         }
     }
     Ok(summary.wrong == 0)
+}
+
+/// Every rank's start-up figures, the maximum of each over the ranks.
+fn start_up(comm: &mut Communicator) -> collectives::Result<report::StartUp> {
+    let s = comm.stats();
+    let mut max = [s.init_seconds, s.connections as f64, s.connect_seconds];
+    comm.all_reduce_in_place(&mut max, collectives::ReduceOp::Max)?;
+    Ok(report::StartUp {
+        init_seconds: max[0],
+        connections: max[1] as u64,
+        connect_seconds: max[2],
+        eager: comm.config().eager_connect,
+    })
 }
 
 fn print_preamble(

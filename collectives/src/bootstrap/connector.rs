@@ -54,8 +54,9 @@ pub(crate) struct Route {
 pub(crate) struct Connector {
     shared: Arc<Shared>,
     acceptors: Vec<JoinHandle<()>>,
-    /// Connections handed out so far.
+    /// Connections handed out so far, and the seconds spent on them.
     pub made: usize,
+    pub seconds: f64,
 }
 
 struct Shared {
@@ -119,6 +120,7 @@ impl Connector {
             shared,
             acceptors,
             made: 0,
+            seconds: 0.0,
         }
     }
 
@@ -202,6 +204,7 @@ impl Connector {
             slots.taken.insert((p, lane));
         }
         self.made += peers.len();
+        self.seconds += started.elapsed().as_secs_f64();
         Ok(got)
     }
 
@@ -274,7 +277,12 @@ impl Shared {
 
     /// Asks the higher rank `peer` to dial us on `lane`. The request's
     /// connection is kept: a peer that cannot dial back aborts it, saying why.
-    fn ask(&self, peer: Rank, lane: u8, deadline: Instant) -> transport::Result<Box<dyn Connection>> {
+    fn ask(
+        &self,
+        peer: Rank,
+        lane: u8,
+        deadline: Instant,
+    ) -> transport::Result<Box<dyn Connection>> {
         let route = self.routes[peer].as_ref().ok_or_else(|| no_route(peer))?;
         let hello = Hello {
             token: self.token,

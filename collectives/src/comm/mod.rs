@@ -83,6 +83,8 @@ pub(crate) struct Setup {
     pub listeners: Vec<Box<dyn Listener>>,
     pub config: Config,
     pub deadline: Instant,
+    /// When making this communicator began, for its `init_seconds`.
+    pub started: Instant,
     /// What the launcher says this rank's local rank is, to cross-check.
     pub local_rank_hint: Option<usize>,
     /// Where rank and size came from, for logs.
@@ -111,7 +113,8 @@ impl Communicator {
         let rank = boot.rank;
         let fail = |message: String| Error::Bootstrap { rank, message };
         config.validate().map_err(fail)?;
-        let deadline = Instant::now() + config.timeout;
+        let started = Instant::now();
+        let deadline = started + config.timeout;
         let available = mesh::available(boot.local_ip(), &config);
         let (listeners, addresses) = listen(&available).map_err(fail)?;
         let me = PeerInfo::new(rank, addresses, config.shared_settings());
@@ -123,6 +126,7 @@ impl Communicator {
             listeners,
             config,
             deadline,
+            started,
             local_rank_hint: boot.local_rank,
             source: boot.source,
         })
@@ -138,17 +142,20 @@ impl Communicator {
             listeners,
             config,
             deadline,
+            started,
             local_rank_hint,
             source,
         } = setup;
         let fail = |message: String| Error::Bootstrap { rank, message };
         let plan = mesh::plan(&available, rank, &table, &config).map_err(fail)?;
+        for t in &available {
+            t.expect_peers(plan.via.iter().filter(|v| **v == Some(t.name())).count());
+        }
         let routes = connector::routes(&available, &plan.transport, &table).map_err(fail)?;
         let tcp = (available.iter().find(|t| t.name() == "tcp"))
             .expect("TCP is always available")
             .clone();
-        let mut connector =
-            Connector::new(rank, &table, routes, tcp, listeners, config.timeout);
+        let mut connector = Connector::new(rank, &table, routes, tcp, listeners, config.timeout);
         let size = table.peers.len();
         let mut lanes: [Conns; LANES] = std::array::from_fn(|_| (0..size).map(|_| None).collect());
         if config.eager_connect {
@@ -241,6 +248,7 @@ impl Communicator {
         crate::observe::status::register(comm.ids.session, &comm.recorder.board);
         let mut comm = comm;
         comm.set_up_tiny()?;
+        comm.recorder.stats.init_seconds = started.elapsed().as_secs_f64();
         Ok(comm)
     }
 
@@ -360,7 +368,10 @@ impl Communicator {
     /// The counters: bytes and messages per peer, calls per collective,
     /// time spent waiting, failures.
     pub fn stats(&self) -> Stats {
-        self.recorder.stats.snapshot()
+        let mut s = self.recorder.stats.snapshot();
+        s.connections = self.links.connector.made as u64;
+        s.connect_seconds = self.links.connector.seconds;
+        s
     }
 
     /// This rank's flight record: its last calls (what each waits on, if

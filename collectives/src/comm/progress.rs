@@ -494,7 +494,8 @@ impl Communicator {
         run.copy_out = copy_out;
         run.exec.start(&run.sched, self.size, windows);
         let lane = lane as usize;
-        let unconnected = |(p, (i, c)): (usize, (&bool, &Option<_>))| *i && c.is_none() && p != rank;
+        let unconnected =
+            |(p, (i, c)): (usize, (&bool, &Option<_>))| *i && c.is_none() && p != rank;
         let conns = run.exec.involved().iter().zip(&self.links.lanes[lane]);
         if conns.enumerate().any(unconnected) {
             self.connect_for(&run.exec.involved().to_vec(), lane)

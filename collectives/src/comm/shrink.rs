@@ -62,7 +62,8 @@ impl Communicator {
             self.abort("shrinking the communicator");
         }
         let k = self.next_agreement();
-        let deadline = Instant::now() + self.config.timeout;
+        let started = Instant::now();
+        let deadline = started + self.config.timeout;
         let (listeners, addresses) = super::listen(&self.links.available).map_err(fail)?;
         let wanted: BTreeSet<Rank> = excluded.iter().copied().collect();
         let outcome = self.agree(k, wanted.clone(), Some(addresses), deadline)?;
@@ -98,6 +99,7 @@ impl Communicator {
             listeners,
             config: self.config.clone(),
             deadline,
+            started,
             local_rank_hint: None,
             source: "shrink",
         })?;

@@ -31,6 +31,7 @@ impl Communicator {
     /// of this one and its own connections.
     pub fn split(&mut self, color: Option<u32>, key: i64) -> Result<Option<Communicator>> {
         let rank = self.rank();
+        let started = Instant::now();
         let fail = |message: String| Error::Bootstrap {
             rank,
             message: format!("split: {message}"),
@@ -72,6 +73,7 @@ impl Communicator {
             listeners,
             config: self.config.clone(),
             deadline: Instant::now() + self.config.timeout,
+            started,
             local_rank_hint: None,
             source: "split",
         })

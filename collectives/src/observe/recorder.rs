@@ -288,6 +288,14 @@ pub struct Stats {
     /// completions.
     pub registrations: u64,
     pub completion_errors: u64,
+    /// Connections to peers this rank holds (each lane of a pair counts),
+    /// and the seconds spent making them (when the communicator was made
+    /// with `COLL_CONNECT=eager`, else in the first calls to need them).
+    pub connections: u64,
+    pub connect_seconds: f64,
+    /// Seconds from the start of `Communicator::init` (or a split or
+    /// shrink) to a communicator ready for calls.
+    pub init_seconds: f64,
 }
 
 /// Traffic with one peer.

@@ -14,7 +14,6 @@ use super::costs::{self, CopyCosts};
 use super::peer_maps::PeerMaps;
 use super::segment::{
     Desc, Help, Kind, Segment, EAGER_MAX, EAGER_MAX_ALL_IN_FLIGHT, OBSERVE, PUBLISH, SLOTS,
-    SLOT_BYTES,
 };
 use super::shared_buffer::Region;
 use crate::{
@@ -194,7 +193,7 @@ impl ShmConnection {
         let len = if remote {
             out.len
         } else {
-            (out.len - out.published).min(SLOT_BYTES)
+            (out.len - out.published).min(self.seg.slot_bytes())
         };
         let desc = Desc {
             tag: out.tag,
@@ -450,7 +449,7 @@ impl ShmConnection {
         let (seq, peer, at) = (self.tail, self.peer, self.piece_at);
         let inc = self.recvs.front_mut().expect("a receive is posted");
         if at == 0 {
-            check_fragment(peer, &desc, inc, self.remote_reads)?;
+            check_fragment(peer, &desc, inc, self.remote_reads, self.seg.slot_bytes())?;
         }
         let (offset, len) = (desc.offset as usize, desc.len as usize);
         // SAFETY: the irecv contract makes data..data+len ours to write, and
@@ -659,7 +658,13 @@ enum Take {
 /// and the mode both sides agreed on, before a byte moves: the peer writes
 /// the descriptor, so every field is untrusted (and sums are checked, since
 /// a wrapped `offset + len` would pass a plain comparison in release).
-fn check_fragment(peer: Rank, desc: &Desc, inc: &Incoming, remote_reads: bool) -> Result<()> {
+fn check_fragment(
+    peer: Rank,
+    desc: &Desc,
+    inc: &Incoming,
+    remote_reads: bool,
+    slot_bytes: usize,
+) -> Result<()> {
     if desc.offset == 0 && (desc.tag != inc.tag || desc.msg_len as usize != inc.len) {
         return Err(Error::Mismatch {
             peer,
@@ -681,8 +686,8 @@ fn check_fragment(peer: Rank, desc: &Desc, inc: &Incoming, remote_reads: bool) -
         ));
     }
     match desc.kind {
-        k if k == Kind::Eager as u32 && len > SLOT_BYTES => bad(format!(
-            "an eager fragment of {len} bytes, more than a slot's {SLOT_BYTES}"
+        k if k == Kind::Eager as u32 && len > slot_bytes => bad(format!(
+            "an eager fragment of {len} bytes, more than a slot's {slot_bytes}"
         )),
         k if k == Kind::Eager as u32 => Ok(()),
         k if k == Kind::Remote as u32 && remote_reads => Ok(()),
@@ -768,7 +773,8 @@ impl Connection for ShmConnection {
         let eager_max = match region.is_all_in_flight() {
             true => EAGER_MAX_ALL_IN_FLIGHT,
             false => EAGER_MAX,
-        };
+        }
+        .min(self.seg.slot_bytes());
         let remote = self.remote_reads && len > eager_max;
         self.sends.push_back(Outgoing {
             data,
@@ -913,6 +919,8 @@ impl Drop for ShmConnection {
 mod fragment_checks {
     use proptest::prelude::*;
 
+    use crate::shm::segment::SLOT_BYTES;
+
     use super::*;
 
     fn receive(len: usize, received: usize) -> Incoming {
@@ -945,16 +953,26 @@ mod fragment_checks {
         // What a hostile peer sent: 1 byte at 0, then 2^64 - 1 bytes at 1.
         let inc = receive(8, 1);
         let eager = Kind::Eager as u32;
-        let e = check_fragment(3, &fragment(1, u64::MAX, 8, eager), &inc, true).unwrap_err();
+        let e = check_fragment(3, &fragment(1, u64::MAX, 8, eager), &inc, true, SLOT_BYTES)
+            .unwrap_err();
         assert!(e.to_string().contains("peer rank 3"), "{e}");
         let slot = SLOT_BYTES as u64;
         let big = receive(4 * SLOT_BYTES, 0);
         let msg = 4 * slot;
-        assert!(check_fragment(3, &fragment(0, slot + 1, msg, eager), &big, true).is_err());
-        assert!(check_fragment(3, &fragment(0, slot, msg, eager), &big, true).is_ok());
+        assert!(check_fragment(
+            3,
+            &fragment(0, slot + 1, msg, eager),
+            &big,
+            true,
+            SLOT_BYTES
+        )
+        .is_err());
+        assert!(check_fragment(3, &fragment(0, slot, msg, eager), &big, true, SLOT_BYTES).is_ok());
         let remote = Kind::Remote as u32;
-        assert!(check_fragment(3, &fragment(0, msg, msg, remote), &big, false).is_err());
-        assert!(check_fragment(3, &fragment(0, msg, msg, remote), &big, true).is_ok());
+        assert!(
+            check_fragment(3, &fragment(0, msg, msg, remote), &big, false, SLOT_BYTES).is_err()
+        );
+        assert!(check_fragment(3, &fragment(0, msg, msg, remote), &big, true, SLOT_BYTES).is_ok());
     }
 
     proptest! {
@@ -974,7 +992,7 @@ mod fragment_checks {
         ) {
             let inc = receive(inc_len, received.min(inc_len));
             let desc = fragment(offset, len, inc_len as u64, kind);
-            if check_fragment(1, &desc, &inc, remote_reads).is_ok() {
+            if check_fragment(1, &desc, &inc, remote_reads, SLOT_BYTES).is_ok() {
                 prop_assert_eq!(offset as usize, inc.received);
                 prop_assert!(u128::from(offset) + u128::from(len) <= inc_len as u128);
                 match kind {

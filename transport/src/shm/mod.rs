@@ -64,15 +64,27 @@ impl Default for ShmOptions {
     }
 }
 
+/// Bytes of shared memory one connection holds when this process reaches
+/// up to `peers` ranks of its host (its segment, every page touched).
+pub fn connection_bytes(peers: usize) -> usize {
+    segment::segment_bytes(segment::slot_bytes_for(peers))
+}
+
 /// Shared-memory transport.
 #[derive(Debug, Default)]
 pub struct ShmTransport {
     options: ShmOptions,
+    /// The most ranks of this host a communicator of this process reaches
+    /// (see [`Transport::expect_peers`]): what sizes a new segment's slots.
+    peers: std::sync::atomic::AtomicUsize,
 }
 
 impl ShmTransport {
     pub fn new(options: ShmOptions) -> Self {
-        ShmTransport { options }
+        ShmTransport {
+            options,
+            peers: Default::default(),
+        }
     }
 }
 
@@ -102,6 +114,11 @@ impl Transport for ShmTransport {
         let peer = Some(hello.to);
         let io = |what| move |e: std::io::Error| Error::io(peer, what, &e);
         let addr = SocketAddr::from_abstract_name(address).map_err(io("connect"))?;
+        // Made (every page touched) before we connect: the listener gives
+        // a caller little time to say hello.
+        let peers = self.peers.load(std::sync::atomic::Ordering::Relaxed);
+        let seg = Segment::create(segment::slot_bytes_for(peers))
+            .map_err(io("create the shared segment"))?;
         let mut ctl = UnixStream::connect_addr(&addr).map_err(|e| match e.kind() {
             ErrorKind::ConnectionRefused | ErrorKind::NotFound => Error::Invalid(format!(
                 "peer rank {} has no shared-memory listener here: is it on another host or in another network namespace?",
@@ -109,7 +126,6 @@ impl Transport for ShmTransport {
             )),
             _ => Error::io(peer, "connect", &e),
         })?;
-        let seg = Segment::create().map_err(io("create the shared segment"))?;
         set_timeouts(&ctl, deadline).map_err(io("connect"))?;
         // hello, our pid and probe address, with the segment's fd attached.
         let mut msg = wire::encode_hello(&hello).to_vec();
@@ -146,6 +162,10 @@ impl Transport for ShmTransport {
             0,
             remote_reads,
         )?))
+    }
+
+    fn expect_peers(&self, peers: usize) {
+        (self.peers).fetch_max(peers, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
@@ -229,8 +249,9 @@ fn handshake(
     options: ShmOptions,
     deadline: Instant,
 ) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
-    // A stranger gets a second to say hello, not the whole deadline.
-    let patience = Instant::now() + Duration::from_secs(1);
+    // A stranger gets seconds to say hello, not the whole deadline (a
+    // peer may wait that long for a core when ranks outnumber cores).
+    let patience = Instant::now() + Duration::from_secs(5);
     set_timeouts(&ctl, deadline.min(patience)).map_err(|e| e.to_string())?;
     let mut msg = [0u8; HELLO_LEN + 4 + 8];
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;

@@ -21,8 +21,13 @@ use crate::Tag;
 
 /// Slots per direction.
 pub(crate) const SLOTS: u64 = 16;
-/// Bytes of data per slot.
+/// Bytes of data per slot, at most: with few peers on the host. A segment
+/// is made for each connection and every page of it touched, so with many
+/// ranks on a host (an AllToAll connects them all) its slots shrink
+/// ([`slot_bytes_for`]).
 pub(crate) const SLOT_BYTES: usize = 64 << 10;
+/// Bytes of data per slot, at least.
+pub(crate) const MIN_SLOT_BYTES: usize = 2 << 10;
 /// Messages up to this size are copied through the slots; larger ones are
 /// read by the receiver straight from the sender's memory (CMA) when both
 /// sides can, which saves a copy.
@@ -40,10 +45,32 @@ const HEADER_BYTES: usize = 4096;
 /// A descriptor's line, then the help word's.
 const DESC_BYTES: usize = 128;
 const HELP_AT: usize = 96;
-const DIR_BYTES: usize = SLOTS as usize * (DESC_BYTES + SLOT_BYTES);
+/// In the header after the magic: the slots' size, set by the creator.
+const SLOT_BYTES_AT: usize = 8;
 
-/// Bytes of a whole segment.
-pub(crate) const SEGMENT_BYTES: usize = HEADER_BYTES + 2 * DIR_BYTES;
+/// Bytes of one direction's ring with slots of `slot_bytes`.
+const fn dir_bytes(slot_bytes: usize) -> usize {
+    SLOTS as usize * (DESC_BYTES + slot_bytes)
+}
+
+/// Bytes of a whole segment with slots of `slot_bytes`.
+pub(crate) const fn segment_bytes(slot_bytes: usize) -> usize {
+    HEADER_BYTES + 2 * dir_bytes(slot_bytes)
+}
+
+/// The slot size for a rank that connects to up to `peers` ranks of its
+/// host: 64 KiB up to 16 (2.1 MiB a connection), then less, so that a
+/// host's segments stay near half a GiB when every pair of 128 ranks is
+/// connected (2 KiB slots, 72 KiB a connection). Larger messages do not
+/// go through the slots where `process_vm_readv` works.
+pub fn slot_bytes_for(peers: usize) -> usize {
+    match peers {
+        0..=16 => SLOT_BYTES,
+        17..=32 => 16 << 10,
+        33..=64 => 8 << 10,
+        _ => MIN_SLOT_BYTES,
+    }
+}
 
 /// How a slot carries its fragment.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -115,6 +142,10 @@ const CORE_SHARED: [usize; 2] = [8 * LINE, 9 * LINE];
 pub(crate) struct Segment {
     base: NonNull<u8>,
     _fd: OwnedFd,
+    /// The slots' size (read once: the peer could change the header's).
+    slot_bytes: usize,
+    /// The mapping's length.
+    bytes: usize,
 }
 
 // SAFETY: the mapping is shared memory accessed through atomics and raw
@@ -124,42 +155,65 @@ unsafe impl Send for Segment {}
 
 impl Segment {
     /// Creates an anonymous segment (memfd: it never has a name in
-    /// /dev/shm, so a killed job cannot leave it behind) and maps it.
-    pub fn create() -> std::io::Result<Self> {
-        let seg = Self::map(super::sealed_memfd("coll-shm", SEGMENT_BYTES)?)?;
-        // SAFETY: the fresh mapping is SEGMENT_BYTES long and ours alone.
+    /// /dev/shm, so a killed job cannot leave it behind) with slots of
+    /// `slot_bytes`, and maps it.
+    pub fn create(slot_bytes: usize) -> std::io::Result<Self> {
+        let bytes = segment_bytes(slot_bytes);
+        let seg = Self::map(super::sealed_memfd("coll-shm", bytes)?, bytes, slot_bytes)?;
+        // SAFETY: the fresh mapping is `bytes` long and ours alone.
         unsafe {
             // Touch every page now: first touch costs 5-10x a copy here,
             // and the hot path must not pay it.
-            std::ptr::write_bytes(seg.base.as_ptr(), 0, SEGMENT_BYTES);
+            std::ptr::write_bytes(seg.base.as_ptr(), 0, bytes);
             (seg.base.as_ptr() as *mut u64).write(MAGIC);
+            (seg.base.as_ptr().add(SLOT_BYTES_AT) as *mut u64).write(slot_bytes as u64);
         }
         Ok(seg)
     }
 
-    /// Maps a segment received from the creating peer.
+    /// Maps a segment received from the creating peer, once its seals, its
+    /// magic and its size (for the slots its header names) are checked.
     pub fn open(fd: OwnedFd) -> std::io::Result<Self> {
-        let seg = Self::map(fd)?;
-        // SAFETY: the mapping is at least 8 bytes long.
-        let magic = unsafe { (seg.base.as_ptr() as *const u64).read_volatile() };
-        if magic != MAGIC {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidData,
-                "not a collectives shared-memory segment",
-            ));
+        let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
+        // A peer's segment it could shrink under our mapping would fault us.
+        let bytes = super::check_sealed(&fd, HEADER_BYTES)?;
+        if bytes > segment_bytes(SLOT_BYTES) {
+            return Err(invalid(format!(
+                "a segment of {bytes} bytes, larger than any"
+            )));
         }
+        let mut seg = Self::map(fd, bytes, 0)?;
+        // SAFETY: the mapping is at least HEADER_BYTES long.
+        let (magic, slot_bytes) = unsafe {
+            let base = seg.base.as_ptr();
+            let slot_bytes = (base.add(SLOT_BYTES_AT) as *const u64).read_volatile();
+            ((base as *const u64).read_volatile(), slot_bytes)
+        };
+        if magic != MAGIC {
+            return Err(invalid("not a collectives shared-memory segment".into()));
+        }
+        let slot_bytes = usize::try_from(slot_bytes)
+            .ok()
+            .filter(|b| b.is_power_of_two() && (MIN_SLOT_BYTES..=SLOT_BYTES).contains(b))
+            .ok_or_else(|| invalid(format!("slots of {slot_bytes} bytes")))?;
+        if bytes < segment_bytes(slot_bytes) {
+            return Err(invalid(format!(
+                "a segment of {bytes} bytes, too small for slots of {slot_bytes}"
+            )));
+        }
+        seg.slot_bytes = slot_bytes;
         Ok(seg)
     }
 
-    fn map(fd: OwnedFd) -> std::io::Result<Self> {
-        // A peer's segment it could shrink under our mapping would fault us.
-        super::check_sealed(&fd, SEGMENT_BYTES)?;
-        // SAFETY: a fresh shared mapping of a file we hold; nothing else
-        // in this process aliases it.
+    fn map(fd: OwnedFd, bytes: usize, slot_bytes: usize) -> std::io::Result<Self> {
+        super::check_sealed(&fd, bytes)?;
+        // SAFETY: a fresh shared mapping of a file we hold, no longer than
+        // the file (sealed against shrinking); nothing in this process
+        // aliases it.
         let ptr = unsafe {
             mmap(
                 std::ptr::null_mut(),
-                SEGMENT_BYTES,
+                bytes,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED,
                 fd.as_fd(),
@@ -169,7 +223,14 @@ impl Segment {
         Ok(Segment {
             base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
             _fd: fd,
+            slot_bytes,
+            bytes,
         })
+    }
+
+    /// Bytes of data a slot holds.
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
     }
 
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
@@ -216,7 +277,7 @@ impl Segment {
 
     fn dir_base(&self, dir: usize) -> *mut u8 {
         // SAFETY: both directions lie inside the mapping.
-        unsafe { self.base.as_ptr().add(HEADER_BYTES + dir * DIR_BYTES) }
+        unsafe { (self.base.as_ptr()).add(HEADER_BYTES + dir * dir_bytes(self.slot_bytes)) }
     }
 
     /// Writes slot `seq`'s descriptor on `dir` (producer, before publishing).
@@ -236,13 +297,16 @@ impl Segment {
     /// Slot `seq`'s help word on `dir`, and the destination offered with it
     /// (once `WRITTEN`, the write's duration).
     pub fn help(&self, dir: usize, seq: u64) -> (&AtomicU32, &AtomicU64) {
-        let at = HEADER_BYTES + dir * DIR_BYTES + (seq % SLOTS) as usize * DESC_BYTES + HELP_AT;
+        let at = HEADER_BYTES
+            + dir * dir_bytes(self.slot_bytes)
+            + (seq % SLOTS) as usize * DESC_BYTES
+            + HELP_AT;
         (self.atomic_u32(at), self.atomic_u64(at + 8))
     }
 
     /// Slot `seq`'s data area on `dir`.
     pub fn slot_data(&self, dir: usize, seq: u64) -> *mut u8 {
-        let at = SLOTS as usize * DESC_BYTES + (seq % SLOTS) as usize * SLOT_BYTES;
+        let at = SLOTS as usize * DESC_BYTES + (seq % SLOTS) as usize * self.slot_bytes;
         // SAFETY: in bounds of the direction's area.
         unsafe { self.dir_base(dir).add(at) }
     }
@@ -252,7 +316,7 @@ impl Drop for Segment {
     fn drop(&mut self) {
         // SAFETY: we mapped exactly this range and hand out no references
         // that outlive self.
-        let _ = unsafe { munmap(self.base.as_ptr().cast(), SEGMENT_BYTES) };
+        let _ = unsafe { munmap(self.base.as_ptr().cast(), self.bytes) };
     }
 }
 
