@@ -141,14 +141,15 @@ impl Tiny {
         max_bytes: usize,
     ) -> std::io::Result<Self> {
         let mut own = Some(own);
+        let prefault = segment::prefault(ids.len());
         let segments = (ids.iter().enumerate())
             .map(|(r, [pid, fd])| match r == me {
-                true => Segment::map(own.take().expect("once"), max_bytes, true),
+                true => Segment::map(own.take().expect("once"), max_bytes, true, prefault),
                 false => {
                     let f = File::open(format!("/proc/{pid}/fd/{fd}"))?;
                     // A peer's segment it could shrink under our mapping would fault us.
                     transport::shm::check_sealed(&f, Segment::bytes(max_bytes))?;
-                    Segment::map(f.into(), max_bytes, false)
+                    Segment::map(f.into(), max_bytes, false, prefault)
                 }
             })
             .collect::<std::io::Result<Vec<_>>>()?;

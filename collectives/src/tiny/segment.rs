@@ -47,6 +47,16 @@ pub(super) const MIN_DATA_SLOTS: u64 = 64;
 pub(super) const CPU: usize = 8;
 /// How much of a segment is mapped in when it is opened (`Segment::map`).
 pub(super) const PREFAULT: usize = 5 << 20;
+/// How much of all the host's segments a rank maps in when it opens them:
+/// `PREFAULT` each up to 16 ranks, less with more (never less than the
+/// headers). Mapping in 5 MiB of each of 127 peers' segments took 128
+/// ranks on 2 cores 4 s.
+pub(super) const PREFAULT_BUDGET: usize = 16 * PREFAULT;
+
+/// What [`Segment::map`] maps in of each segment when `ranks` share them.
+pub(super) fn prefault(ranks: usize) -> usize {
+    (PREFAULT_BUDGET / ranks.max(1)).clamp(DATA_AT, PREFAULT)
+}
 /// A part of at most `INLINE` bytes follows its header in the same cache
 /// line: a reader of a small call fetches one line per rank, not two.
 pub(super) const DATA: usize = 40;
@@ -90,7 +100,12 @@ impl Drop for Segment {
 }
 
 impl Segment {
-    pub(super) fn map(fd: OwnedFd, max_bytes: usize, writable: bool) -> std::io::Result<Self> {
+    pub(super) fn map(
+        fd: OwnedFd,
+        max_bytes: usize,
+        writable: bool,
+        prefault: usize,
+    ) -> std::io::Result<Self> {
         let len = Self::bytes(max_bytes);
         let prot = match writable {
             true => ProtFlags::READ | ProtFlags::WRITE,
@@ -101,16 +116,17 @@ impl Segment {
         // Pages mapped now, not at their first use: each rank would
         // otherwise fault on every page of every peer's segment it reads,
         // in the first calls (8-rank 8 B Broadcast, 1000 calls: 1.13 ->
-        // 0.79 us a call). Up to `PREFAULT` bytes: the headers and, at the
-        // default `COLL_TINY`, all the data; a larger one's data faults in
-        // as it is used, rather than every rank mapping it all at once.
+        // 0.79 us a call). Up to `prefault` bytes: the headers and, at the
+        // default `COLL_TINY` and up to 16 ranks, all the data; the rest
+        // faults in as it is used, rather than every rank mapping it all at
+        // once.
         let advice = match writable {
             true => Advice::LinuxPopulateWrite,
             false => Advice::LinuxPopulateRead,
         };
         // SAFETY: advice on our own fresh mapping. An old kernel refuses
         // it; the pages then fault in as they are used.
-        let _ = unsafe { madvise(ptr, len.min(PREFAULT), advice) };
+        let _ = unsafe { madvise(ptr, len.min(prefault), advice) };
         Ok(Segment {
             base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
             len,

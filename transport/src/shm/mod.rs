@@ -180,6 +180,9 @@ impl Transport for ShmTransport {
     }
 }
 
+/// How long the accepting side's handshake may take once a caller arrived.
+const HANDSHAKE_PATIENCE: Duration = Duration::from_secs(5);
+
 /// Listens on an abstract Unix socket.
 pub struct ShmListener {
     listener: UnixListener,
@@ -200,7 +203,7 @@ impl Listener for ShmListener {
     ) -> Result<(Hello, Box<dyn Connection>)> {
         loop {
             let ctl = self.accept_one(deadline)?;
-            match handshake(ctl, token, me, self.options, deadline) {
+            match handshake(ctl, token, me, self.options) {
                 Ok(accepted) => return Ok(accepted),
                 Err(why) => tracing::warn!("refused a shared-memory connection: {why}"),
             }
@@ -247,12 +250,12 @@ fn handshake(
     token: u128,
     me: Rank,
     options: ShmOptions,
-    deadline: Instant,
 ) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
-    // A stranger gets seconds to say hello, not the whole deadline (a
-    // peer may wait that long for a core when ranks outnumber cores).
-    let patience = Instant::now() + Duration::from_secs(5);
-    set_timeouts(&ctl, deadline.min(patience)).map_err(|e| e.to_string())?;
+    // A caller that arrived gets seconds to say hello and finish, whatever
+    // the wait for it was (a peer may wait that long for a core when ranks
+    // outnumber cores); a stranger no longer.
+    let deadline = Instant::now() + HANDSHAKE_PATIENCE;
+    set_timeouts(&ctl, deadline).map_err(|e| e.to_string())?;
     let mut msg = [0u8; HELLO_LEN + 4 + 8];
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
     let hello = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
@@ -275,7 +278,6 @@ fn handshake(
     reply.extend_from_slice(&std::process::id().to_le_bytes());
     reply.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
     reply.push(we_read_them as u8);
-    set_timeouts(&ctl, deadline).map_err(|e| e.to_string())?;
     ctl.write_all(&reply).map_err(|e| e.to_string())?;
     let mut they_read_us = [0u8];
     ctl.read_exact(&mut they_read_us)
