@@ -18,7 +18,10 @@ pub const RANKS_PER_CORE: usize = 32;
 fn baseline_bytes(ranks: usize, config: &Config) -> u64 {
     let staging = (config.chunk_bytes * config.depth) as u64;
     let peers = ranks.saturating_sub(1);
-    let connections = (collectives::shm_connection_bytes(peers) * peers) as u64;
+    let connections = match config.transport.as_str() {
+        "tcp" | "verbs" => 0,
+        _ => (collectives::shm_connection_bytes(peers) * peers) as u64,
+    };
     staging + connections + (5 << 20) + (24 << 20)
 }
 

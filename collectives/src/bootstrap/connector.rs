@@ -38,6 +38,9 @@ const ASKED_POLL: Duration = Duration::from_millis(10);
 /// show (it dials, then closes); then it is a peer that left.
 const LEFT_AFTER: Duration = Duration::from_secs(1);
 
+/// A request made to a peer to dial back, and since when it is closed.
+type Request = (Box<dyn Connection>, Option<Instant>);
+
 /// A connection's place: the peer and the lane.
 type Key = (Rank, u8);
 
@@ -139,8 +142,7 @@ impl Connector {
             s.dial((p, lane));
         }
         let grace = Instant::now() + GRACE;
-        // Requests made, and since when each is closed.
-        let mut asked: Option<Vec<(Box<dyn Connection>, Option<Instant>)>> = None;
+        let mut asked: Option<Vec<Request>> = None;
         let mut slots = s.lock();
         let got = loop {
             let missing: Vec<Rank> = (peers.iter().copied())

@@ -498,7 +498,7 @@ impl Communicator {
             |(p, (i, c)): (usize, (&bool, &Option<_>))| *i && c.is_none() && p != rank;
         let conns = run.exec.involved().iter().zip(&self.links.lanes[lane]);
         if conns.enumerate().any(unconnected) {
-            self.connect_for(&run.exec.involved().to_vec(), lane)
+            self.connect_for(run.exec.involved(), lane)
                 .map_err(|e| Error::collective(rank, desc, e))?;
         }
         self.inflight.calls[at].state = State::Running(run);

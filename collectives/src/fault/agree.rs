@@ -6,9 +6,11 @@
 //! It runs over the status channel ([`crate::observe::status`]), not the
 //! communicator's connections, which a failure has aborted: each process
 //! answers from its own thread, a dead process refuses the connection, a
-//! stopped one does not answer within 2 s. Each rank publishes
-//! a proposal (the ranks it believes failed) and asks every rank outside it
-//! for theirs, in rounds:
+//! stopped one does not answer within 2 s. Each rank publishes a proposal
+//! (the ranks it believes failed) and, in rounds, asks for theirs: the
+//! lowest rank outside its proposal (the coordinator) asks every rank
+//! outside it, the others ask only the coordinator, so a round costs O(n)
+//! questions, not O(n^2). What an answer does:
 //!
 //! * no answer (or the communicator is gone): that rank failed;
 //! * a proposal: add it to ours (proposals only grow);
@@ -16,12 +18,16 @@
 //!   the communicator yet); wait for it;
 //! * a decision: adopt it.
 //!
-//! A rank decides its proposal P once every rank outside P answered with
-//! exactly P, and keeps answering "decided P". Two ranks cannot decide
-//! different sets: deciding P needs the other to have proposed P, and a
-//! proposal that grew past P, or was decided, never goes back. A rank that
-//! dies after others decided is simply a member of the result that will
-//! fail its next call (then agree again), as with ULFM.
+//! The coordinator decides its proposal P once every rank outside P
+//! answered with exactly P, and keeps answering "decided P" with every
+//! member's payload; the others adopt that. Two ranks cannot decide
+//! different sets: deciding P needs every other rank outside P to have
+//! proposed P (a rank that decided answers "decided", which is not a
+//! proposal), and a proposal that grew past P never goes back. If the
+//! coordinator dies, those that ask it find out and the next lowest rank
+//! takes over, asking everyone (and adopting a decision any of them holds).
+//! A rank that dies after others decided is simply a member of the result
+//! that will fail its next call (then agree again), as with ULFM.
 //!
 //! Each agreement on a communicator has a number (every survivor makes the
 //! same sequence of agreement calls, as with collectives) and may carry a
@@ -79,14 +85,18 @@ pub(crate) fn agree(
         s.payloads[k as usize - 1] = payload;
     });
     let mut pause = Duration::from_millis(1);
+    let mut all: Option<Vec<Option<Addresses>>> = None;
     let decided = loop {
+        let coordinator = (0..n).find(|r| !failed.contains(r)).unwrap_or(me);
+        let leading = coordinator == me;
         let asked: Vec<(Rank, Option<SocketAddr>)> = (0..n)
             .filter(|r| *r != me && !failed.contains(r))
+            .filter(|r| leading || *r == coordinator)
             .map(|r| (r, addresses[r]))
             .collect();
         let before = failed.clone();
         let (mut settled, mut adopted) = (true, None);
-        for (r, answer) in ask_all(&asked, session, k) {
+        for (r, answer) in ask_all(&asked, session, k, n) {
             tracing::debug!(
                 rank = me,
                 agreement = k,
@@ -110,8 +120,12 @@ pub(crate) fn agree(
                 Some(Answer::Decided {
                     failed: theirs,
                     payload,
+                    all: theirs_all,
                 }) => {
                     payloads[r] = payload;
+                    if theirs_all.len() == n {
+                        all = Some(theirs_all);
+                    }
                     adopted = Some(theirs);
                 }
             }
@@ -126,7 +140,7 @@ pub(crate) fn agree(
             ));
         }
         board.agreement(|s| s.proposal = failed.iter().copied().collect());
-        if settled && failed == before {
+        if leading && settled && failed == before {
             break failed;
         }
         if Instant::now() > deadline {
@@ -136,9 +150,10 @@ pub(crate) fn agree(
                 status::list(&waiting)
             ));
         }
-        // Rounds start 1 ms apart and back off to 50 ms: every round is a
-        // connection to every rank, and a flood of them (a slow host, many
-        // ranks waiting for a late one) would delay the answers themselves.
+        // Rounds start 1 ms apart and back off to 50 ms: a round of the
+        // coordinator is a connection to every rank, and a flood of them
+        // (a slow host, many ranks waiting for a late one) would delay the
+        // answers themselves.
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(50));
     };
@@ -146,18 +161,22 @@ pub(crate) fn agree(
         return Err("the other ranks decided that this rank failed: it answered too late".into());
     }
     let failed: Vec<Rank> = decided.iter().copied().collect();
-    board.agreement(|s| {
-        s.decided.resize(k as usize, Vec::new());
-        s.decided[k as usize - 1] = failed.clone();
-    });
-    // An adopted decision may name survivors this rank had suspected:
-    // their payloads come from asking them now.
+    if let Some(all) = all {
+        // The decider's view of every payload; ours stays ours.
+        for (r, p) in all.into_iter().enumerate() {
+            if r != me && payloads[r].is_none() {
+                payloads[r] = p;
+            }
+        }
+    }
+    // An adopted decision may name survivors whose payloads we lack (from
+    // a decider that did not pass them on): ask them.
     let missing: Vec<(Rank, Option<SocketAddr>)> = (0..n)
         .filter(|r| *r != me && !decided.contains(r) && payloads[*r].is_none())
         .map(|r| (r, addresses[r]))
         .collect();
     if payloads[me].is_some() {
-        for (r, answer) in ask_all(&missing, session, k) {
+        for (r, answer) in ask_all(&missing, session, k, n) {
             if let Some(Answer::Proposing { payload, .. } | Answer::Decided { payload, .. }) =
                 answer
             {
@@ -165,17 +184,31 @@ pub(crate) fn agree(
             }
         }
     }
+    let known: Vec<Option<Addresses>> = (0..n)
+        .map(|r| {
+            (!decided.contains(&r))
+                .then(|| payloads[r].clone())
+                .flatten()
+        })
+        .collect();
+    board.agreement(|s| {
+        s.decided.resize(k as usize, Vec::new());
+        s.decided[k as usize - 1] = failed.clone();
+        s.all_payloads.resize(k as usize, Vec::new());
+        s.all_payloads[k as usize - 1] = known;
+    });
     Ok(Outcome { failed, payloads })
 }
 
-/// Every rank's answer about agreement `k` (`None`: no answer in time).
+/// Every rank's answer about agreement `k` among `n` (`None`: no answer in time).
 fn ask_all(
     ranks: &[(Rank, Option<SocketAddr>)],
     session: u128,
     k: u32,
+    n: usize,
 ) -> Vec<(Rank, Option<Answer>)> {
     let question = status::question(status::AGREEMENT, session, k);
-    status::ask_each(ranks, &question)
+    status::ask_each(ranks, &question, status::agreement_answer_max(n))
         .into_iter()
         .map(|(r, bytes)| (r, bytes.and_then(|b| serde_json::from_slice(&b).ok())))
         .collect()

@@ -18,6 +18,9 @@ pub(crate) struct Ballot {
     /// By agreement number - 1: the decided set and the payload.
     pub(crate) decided: Vec<Vec<Rank>>,
     pub(crate) payloads: Vec<Option<Addresses>>,
+    /// By agreement number - 1: every member's payload, as the decider
+    /// knew them (so a rank that adopts a decision needs ask nobody else).
+    pub(crate) all_payloads: Vec<Vec<Option<Addresses>>>,
 }
 
 /// What a rank says of agreement number k.
@@ -32,6 +35,9 @@ pub enum Answer {
     Decided {
         failed: Vec<Rank>,
         payload: Option<Addresses>,
+        /// Every member's payload, by rank (`None`: failed, or none).
+        #[serde(default)]
+        all: Vec<Option<Addresses>>,
     },
     /// The rank no longer has the communicator.
     Left,
@@ -44,6 +50,7 @@ impl Ballot {
             return Answer::Decided {
                 failed: self.decided[at - 1].clone(),
                 payload: self.payloads[at - 1].clone(),
+                all: (self.all_payloads.get(at - 1).cloned()).unwrap_or_default(),
             };
         }
         match k == self.current && k > 0 {
@@ -82,7 +89,8 @@ mod tests {
             s.answer(1),
             Answer::Decided {
                 failed: vec![2, 3],
-                payload: None
+                payload: None,
+                all: vec![],
             }
         );
         assert_eq!(s.answer(3), Answer::NotYet);

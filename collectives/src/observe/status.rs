@@ -386,35 +386,63 @@ const HOLD: usize = 1024;
 /// time per read: a trickling stranger is dropped at it).
 const QUESTION_WITHIN: Duration = Duration::from_secs(1);
 
-/// A connection whose question has not all come yet.
+/// A connection whose question has not all come yet, or whose answer has
+/// not all gone (a decision of many ranks may not fit a socket buffer).
 struct Asking {
     stream: TcpStream,
     question: [u8; QUESTION_LEN],
     got: usize,
+    /// The answer, once the question is whole, and how much of it is sent.
+    answer: Option<(Vec<u8>, usize)>,
     by: Instant,
 }
 
+impl Asking {
+    /// Reads or writes what the socket takes; whether to keep it.
+    fn step(&mut self, now: Instant) -> bool {
+        if self.answer.is_none() {
+            match self.stream.read(&mut self.question[self.got..]) {
+                Ok(0) => return false,
+                Ok(n) => self.got += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Err(_) => return false,
+            }
+            if self.got < QUESTION_LEN {
+                return true;
+            }
+            let Some(text) = answer(&self.question) else {
+                return false;
+            };
+            self.answer = Some((text, 0));
+            self.by = now + QUESTION_WITHIN;
+        }
+        let (text, sent) = self.answer.as_mut().expect("answering");
+        loop {
+            match self.stream.write(&text[*sent..]) {
+                Ok(0) => return false,
+                Ok(n) => *sent += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return true,
+                Err(_) => return false,
+            }
+            if *sent == text.len() {
+                return false;
+            }
+        }
+    }
+}
+
 /// One thread answers every asker, polling them all: a silent, slow or
-/// flooding stranger costs a slot for at most [`QUESTION_WITHIN`], no
-/// thread, and never delays the answer to a question that came whole.
+/// flooding stranger costs a slot for at most [`QUESTION_WITHIN`] (to ask,
+/// and as long again to read its answer), no thread, and never delays the
+/// answer to a question that came whole.
 fn serve(listener: TcpListener) {
     let mut asking: VecDeque<Asking> = VecDeque::new();
     loop {
         let ready = wait_for_any(&listener, &asking);
         let now = Instant::now();
         for (mut a, ready) in std::mem::take(&mut asking).into_iter().zip(ready) {
-            if ready {
-                match a.stream.read(&mut a.question[a.got..]) {
-                    Ok(0) => continue,
-                    Ok(n) => a.got += n,
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(_) => continue,
-                }
-                if a.got == QUESTION_LEN {
-                    // A small answer into an empty socket buffer: it does not block.
-                    let _ = answer(&a.question).map(|text| a.stream.write_all(&text));
-                    continue;
-                }
+            if ready && !a.step(now) {
+                continue;
             }
             if now < a.by {
                 asking.push_back(a);
@@ -427,25 +455,30 @@ fn serve(listener: TcpListener) {
             if asking.len() == HOLD {
                 asking.pop_front();
             }
-            let by = now + QUESTION_WITHIN;
-            let question = [0; QUESTION_LEN];
             asking.push_back(Asking {
                 stream,
-                question,
+                question: [0; QUESTION_LEN],
                 got: 0,
-                by,
+                answer: None,
+                by: now + QUESTION_WITHIN,
             });
         }
     }
 }
 
-/// Waits until the listener or an asker is readable, or the first asker's
-/// deadline; says which askers are.
+/// Waits until the listener or an asker is ready (to be read, or written
+/// an answer), or the first asker's deadline; says which askers are.
 fn wait_for_any(listener: &TcpListener, asking: &VecDeque<Asking>) -> Vec<bool> {
     use rustix::event::{poll, PollFd, PollFlags, Timespec};
     let mut fds = Vec::with_capacity(asking.len() + 1);
     fds.push(PollFd::new(listener, PollFlags::IN));
-    fds.extend(asking.iter().map(|a| PollFd::new(&a.stream, PollFlags::IN)));
+    fds.extend(asking.iter().map(|a| {
+        let wants = match a.answer {
+            None => PollFlags::IN,
+            Some(_) => PollFlags::OUT,
+        };
+        PollFd::new(&a.stream, wants)
+    }));
     let first = asking.iter().map(|a| a.by).min();
     let wait = first.map_or(QUESTION_WITHIN, |by| {
         by.saturating_duration_since(Instant::now())
@@ -547,15 +580,21 @@ pub fn parse_answer(a: &[u8]) -> Option<Position> {
 /// The longest answer read (an agreement's carries every transport address).
 const ANSWER_MAX: u64 = 64 << 10;
 
+/// The longest answer read about an agreement among `n` ranks: a decision
+/// carries every member's payload (their addresses, under 1 KiB each).
+pub(crate) fn agreement_answer_max(n: usize) -> u64 {
+    ANSWER_MAX + 1024 * n as u64
+}
+
 /// Asks the process at `addr` `question`; its answer, unless it gives none
 /// within `within`.
-fn ask(addr: SocketAddr, question: &[u8], within: Duration) -> Option<Vec<u8>> {
+fn ask(addr: SocketAddr, question: &[u8], within: Duration, limit: u64) -> Option<Vec<u8>> {
     let mut s = TcpStream::connect_timeout(&addr, within).ok()?;
     s.set_read_timeout(Some(within)).ok()?;
     s.set_write_timeout(Some(within)).ok()?;
     s.write_all(question).ok()?;
     let mut a = Vec::new();
-    (&mut s).take(ANSWER_MAX).read_to_end(&mut a).ok()?;
+    (&mut s).take(limit).read_to_end(&mut a).ok()?;
     Some(a)
 }
 
@@ -564,12 +603,13 @@ fn ask(addr: SocketAddr, question: &[u8], within: Duration) -> Option<Vec<u8>> {
 pub(crate) fn ask_each(
     ranks: &[(Rank, Option<SocketAddr>)],
     question: &[u8],
+    limit: u64,
 ) -> Vec<(Rank, Option<Vec<u8>>)> {
     let mut answers = Vec::with_capacity(ranks.len());
     for batch in ranks.chunks(AT_ONCE) {
         std::thread::scope(|s| {
             let asked: Vec<_> = (batch.iter())
-                .map(|&(r, a)| (r, s.spawn(move || ask(a?, question, ANSWER_WITHIN))))
+                .map(|&(r, a)| (r, s.spawn(move || ask(a?, question, ANSWER_WITHIN, limit))))
                 .collect();
             for (r, h) in asked {
                 answers.push((r, h.join().ok().flatten()));
@@ -599,7 +639,7 @@ pub(crate) fn diagnose(
         .filter(|(r, _)| *r != me)
         .map(|(r, a)| (r, *a))
         .collect();
-    for (r, answer) in ask_each(&others, &question(POSITION, session, 0)) {
+    for (r, answer) in ask_each(&others, &question(POSITION, session, 0), ANSWER_MAX) {
         states[r].position = answer.and_then(|a| parse_answer(&a));
     }
     let silent = format!("did not answer within {} s", ANSWER_WITHIN.as_secs());
@@ -730,7 +770,13 @@ mod tests {
         board.call(&desc(Collective::Broadcast, 9), 1);
         register(0xfeed, &board);
         let where_is = |session| {
-            let a = ask(addr, &question(POSITION, session, 0), ANSWER_WITHIN).unwrap();
+            let a = ask(
+                addr,
+                &question(POSITION, session, 0),
+                ANSWER_WITHIN,
+                ANSWER_MAX,
+            )
+            .unwrap();
             parse_answer(&a).unwrap()
         };
         let p = where_is(0xfeed);
@@ -760,7 +806,13 @@ mod tests {
         for s in flood.iter_mut().step_by(3) {
             s.write_all(b"CS").unwrap(); // a question's first bytes, then nothing
         }
-        let a = ask(addr, &question(POSITION, 1, 0), Duration::from_secs(5)).unwrap();
+        let a = ask(
+            addr,
+            &question(POSITION, 1, 0),
+            Duration::from_secs(5),
+            ANSWER_MAX,
+        )
+        .unwrap();
         assert!(
             parse_answer(&a).is_some(),
             "{}",
