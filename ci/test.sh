@@ -94,6 +94,9 @@ grep -q "measured profile" target/tune-run.log
 step "non-blocking AllReduces overlapping a backward pass (examples/data_parallel.rs)"
 target/release/examples/data_parallel --steps 5
 
+step "128 ranks over TCP form, lose a rank, agree and shrink (examples/scale.rs)"
+target/release/examples/scale --ranks 128
+
 step "the Python package and the torch backend (ci/python.sh: venv, wheel, pytest)"
 ci/python.sh
 
