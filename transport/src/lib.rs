@@ -88,6 +88,17 @@ pub mod shm;
 #[cfg(feature = "verbs")]
 pub mod verbs;
 
+/// How long a connection's handshake may take once the peer has
+/// arrived, whatever the wait for it was: a listener that waited a short
+/// while for a caller must not cut short the caller it got.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The deadline of a handshake begun now by a side that waited until
+/// `waited_until`: the later of the two.
+pub(crate) fn handshake_deadline(waited_until: Instant) -> Instant {
+    waited_until.max(Instant::now() + HANDSHAKE)
+}
+
 /// Index of a process in the job, `0..world_size`.
 pub type Rank = usize;
 

@@ -14,7 +14,7 @@ const DATA_MAGIC: u32 = u32::from_le_bytes(*b"CLLD");
 const ABORT_MAGIC: u32 = u32::from_le_bytes(*b"CLLA");
 const BYE_MAGIC: u32 = u32::from_le_bytes(*b"CLLB");
 
-pub(crate) const HELLO_LEN: usize = 36;
+pub(crate) const HELLO_LEN: usize = 33;
 pub(crate) const ACK_LEN: usize = 8;
 pub(crate) const HEADER_LEN: usize = 32;
 /// Longest abort reason read from a peer.
@@ -27,7 +27,7 @@ pub(crate) fn encode_hello(h: &Hello) -> [u8; HELLO_LEN] {
     b[8..24].copy_from_slice(&h.token.to_le_bytes());
     b[24..28].copy_from_slice(&(h.from as u32).to_le_bytes());
     b[28..32].copy_from_slice(&(h.to as u32).to_le_bytes());
-    b[32..36].copy_from_slice(&u32::from(h.channel).to_le_bytes());
+    b[32] = h.channel;
     b
 }
 
@@ -50,8 +50,16 @@ pub(crate) fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<Hello, BadHello> {
         token: u128::from_le_bytes(b[8..24].try_into().unwrap()),
         from: u32_at(b, 24) as Rank,
         to: u32_at(b, 28) as Rank,
-        channel: u8::try_from(u32_at(b, 32)).map_err(|_| BadHello::NotOurs)?,
+        channel: b[32],
     })
+}
+
+/// Why a decoded hello is refused by rank `me` of the job of `token`, if it is.
+pub(crate) fn refuse_hello(h: &Hello, token: u128, me: Rank) -> Option<String> {
+    if h.token != token {
+        return Some(format!("rank {} presented another job's token", h.from));
+    }
+    (h.to != me).then(|| format!("rank {} wanted rank {}, this is rank {me}", h.from, h.to))
 }
 
 pub(crate) fn encode_ack(me: Rank) -> [u8; ACK_LEN] {

@@ -13,7 +13,6 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use transport::{Connection, Hello, Listener, Rank, Transport};
@@ -53,10 +52,10 @@ pub(crate) struct Route {
     pub request_to: Vec<u8>,
 }
 
-/// Connections to peers, made on demand.
+/// Connections to peers, made on demand. Its accepting threads hold it
+/// weakly: dropped, they end within [`POLL`] (and close their listeners).
 pub(crate) struct Connector {
     shared: Arc<Shared>,
-    acceptors: Vec<JoinHandle<()>>,
     /// Connections handed out so far, and the seconds spent on them.
     pub made: usize,
     pub seconds: f64,
@@ -87,7 +86,6 @@ struct Slots {
     failed: BTreeMap<Key, transport::Error>,
     /// Set when the communicator aborts: what arrives later is aborted with it.
     closed: Option<String>,
-    stop: bool,
 }
 
 impl Connector {
@@ -109,19 +107,15 @@ impl Connector {
             state: Mutex::new(Slots::default()),
             arrived: Condvar::new(),
         });
-        let acceptors = listeners
-            .into_iter()
-            .map(|l| {
-                let weak = Arc::downgrade(&shared);
-                std::thread::Builder::new()
-                    .name(format!("coll-accept-{rank}"))
-                    .spawn(move || accept_loop(weak, l))
-                    .expect("spawn an accepting thread")
-            })
-            .collect();
+        for l in listeners {
+            let weak = Arc::downgrade(&shared);
+            std::thread::Builder::new()
+                .name(format!("coll-accept-{rank}"))
+                .spawn(move || accept_loop(weak, l))
+                .expect("spawn an accepting thread");
+        }
         Connector {
             shared,
-            acceptors,
             made: 0,
             seconds: 0.0,
         }
@@ -137,8 +131,7 @@ impl Connector {
     ) -> transport::Result<Vec<(Rank, Box<dyn Connection>)>> {
         let s = &self.shared;
         let started = Instant::now();
-        let (lower, higher): (Vec<Rank>, Vec<Rank>) = peers.iter().partition(|&&p| p < s.rank);
-        for &p in &lower {
+        for &p in peers.iter().filter(|&&p| p < s.rank) {
             s.dial((p, lane));
         }
         let grace = Instant::now() + GRACE;
@@ -175,7 +168,7 @@ impl Connector {
             match &mut asked {
                 None if now >= grace => {
                     drop(slots);
-                    let to = missing.iter().filter(|p| higher.contains(p));
+                    let to = missing.iter().filter(|&&p| p > s.rank);
                     let ask = |&p| Ok((s.ask(p, lane, deadline)?, None));
                     asked = Some(to.map(ask).collect::<transport::Result<_>>()?);
                     slots = s.lock();
@@ -221,14 +214,6 @@ impl Connector {
     }
 }
 
-impl Drop for Connector {
-    fn drop(&mut self) {
-        self.shared.lock().stop = true;
-        // The threads notice within `POLL`; nobody waits for them.
-        self.acceptors.clear();
-    }
-}
-
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, Slots> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
@@ -264,16 +249,21 @@ impl Shared {
         let mut slots = self.lock();
         slots.dialing.remove(&key);
         match result {
-            Ok(mut c) => {
-                if let Some(reason) = &slots.closed {
-                    c.abort(reason);
-                }
-                slots.ready.insert(key, c);
-            }
+            Ok(c) => self.land(slots, key, c),
             Err(e) => {
                 slots.failed.insert(key, e);
+                self.arrived.notify_all();
             }
         }
+    }
+
+    /// A connection made, by us or by the peer: ready for the caller (or
+    /// aborted at once if the communicator was).
+    fn land(&self, mut slots: MutexGuard<'_, Slots>, key: Key, mut c: Box<dyn Connection>) {
+        if let Some(reason) = &slots.closed {
+            c.abort(reason);
+        }
+        slots.ready.insert(key, c);
         self.arrived.notify_all();
     }
 
@@ -302,7 +292,7 @@ impl Shared {
     }
 
     /// What an accepting thread does with a connection from `hello.from`.
-    fn arrive(&self, hello: Hello, mut c: Box<dyn Connection>) {
+    fn arrive(&self, hello: Hello, c: Box<dyn Connection>) {
         let (peer, channel) = (hello.from, hello.channel);
         if channel & REQUEST != 0 && peer < self.rank {
             // Dropped once the dial is made: the asker polls it meanwhile.
@@ -315,18 +305,14 @@ impl Shared {
             );
         }
         let key = (peer, channel);
-        let mut slots = self.lock();
+        let slots = self.lock();
         if slots.ready.contains_key(&key) || slots.taken.contains(&key) {
             return tracing::warn!(
                 rank = self.rank,
                 "refused a second connection from rank {peer} on lane {channel}"
             );
         }
-        if let Some(reason) = &slots.closed {
-            c.abort(reason);
-        }
-        slots.ready.insert(key, c);
-        self.arrived.notify_all();
+        self.land(slots, key, c);
     }
 }
 
@@ -337,15 +323,12 @@ fn no_route(peer: Rank) -> transport::Error {
 /// Accepts until the connector is dropped.
 fn accept_loop(shared: Weak<Shared>, mut listener: Box<dyn Listener>) {
     loop {
-        let Some(s) = shared.upgrade() else { return };
-        if s.lock().stop {
+        let Some((rank, token)) = shared.upgrade().map(|s| (s.rank, s.token)) else {
             return;
-        }
-        let (rank, token) = (s.rank, s.token);
-        drop(s);
+        };
         let deadline = Instant::now() + POLL;
         match listener.accept(token, rank, deadline) {
-            Ok((hello, c)) => match shared.upgrade().filter(|s| !s.lock().stop) {
+            Ok((hello, c)) => match shared.upgrade() {
                 Some(s) => s.arrive(hello, c),
                 // Closed without a word: the peer sees one that left.
                 None => return drop(c),

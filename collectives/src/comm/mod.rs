@@ -30,7 +30,7 @@ use transport::{Listener, Rank, RegistrationCache, Transport};
 
 use crate::algo::{Algorithm, Topology};
 use crate::bootstrap::connector::{self, Connector};
-use crate::bootstrap::mesh::{self, Conns, LANES};
+use crate::bootstrap::mesh::{self, LANES};
 use crate::bootstrap::rendezvous::{PeerInfo, Table};
 use crate::bootstrap::{self, Bootstrap};
 use crate::call::args::{CallArgs, Peer};
@@ -155,18 +155,27 @@ impl Communicator {
         let tcp = (available.iter().find(|t| t.name() == "tcp"))
             .expect("TCP is always available")
             .clone();
-        let mut connector = Connector::new(rank, &table, routes, tcp, listeners, config.timeout);
+        let connector = Connector::new(rank, &table, routes, tcp, listeners, config.timeout);
         let size = table.peers.len();
-        let mut lanes: [Conns; LANES] = std::array::from_fn(|_| (0..size).map(|_| None).collect());
-        if config.eager_connect {
-            let peers: Vec<Rank> = (0..size).filter(|&p| p != rank).collect();
-            connect_lanes(&mut connector, &mut lanes, &peers, &plan.via, deadline)
-                .map_err(|e| fail(e.to_string()))?;
-        }
-        let mesh = plan;
-        let used: Vec<&dyn Transport> = mesh.used.iter().map(|t| &**t).collect();
+        let used: Vec<&dyn Transport> = plan.used.iter().map(|t| &**t).collect();
         let staging = Staging::new(&used, config.chunk_bytes, config.depth)
             .map_err(|e| fail(e.to_string()))?;
+        let mut links = Links {
+            available,
+            transports: plan.used,
+            lanes: std::array::from_fn(|_| (0..size).map(|_| None).collect()),
+            connector,
+            staging,
+            registrations: RegistrationCache::new(),
+        };
+        if config.eager_connect {
+            let peers: Vec<Rank> = (0..size).filter(|&p| p != rank).collect();
+            for lane in 0..LANES {
+                (links.connect(lane, &peers, &plan.via, deadline))
+                    .map_err(|e| fail(e.to_string()))?;
+            }
+        }
+        let via = plan.via;
         let abort = AbortFlag::new().map_err(|e| fail(format!("eventfd: {e}")))?;
         let me = &table.peers[rank];
         let local_ranks: Vec<Rank> = (table.peers.iter())
@@ -181,14 +190,14 @@ impl Communicator {
             );
         }
         let spin = crate::bootstrap::cpus::spin(local_ranks.len());
-        mesh::log_peers(rank, &table, &mesh.via);
+        mesh::log_peers(rank, &table, &via);
         tracing::info!(
             rank,
             size,
             source,
             host = %me.hostname,
             local_ranks = ?local_ranks,
-            transport = mesh::summary(&mesh.via),
+            transport = mesh::summary(&via),
             chunk = config.chunk_bytes,
             depth = config.depth,
             timeout_s = config.timeout.as_secs_f64(),
@@ -198,7 +207,7 @@ impl Communicator {
         let setting = Setting {
             ranks: size,
             per_host: hosts.iter().map(Vec::len).max().unwrap_or(1),
-            transport: mesh::summary(&mesh.via),
+            transport: mesh::summary(&via),
         };
         let topology = Topology {
             hosts: hosts.clone(),
@@ -208,9 +217,9 @@ impl Communicator {
                 &hosts,
             ),
             crowded: crate::bootstrap::cpus::crowded(&table.peers, &hosts),
-            shared_memory: mesh::all_shared_memory(&mesh.via),
+            shared_memory: mesh::all_shared_memory(&via),
         };
-        let tiny = crate::tiny::State::initial(config.tiny_bytes, &mesh.via);
+        let tiny = crate::tiny::State::initial(config.tiny_bytes, &via);
         let comm = Communicator {
             tiny,
             selector: Selector::new(rank, topology, setting),
@@ -221,16 +230,9 @@ impl Communicator {
                 hosts,
                 peers: table.peers,
                 local_ranks,
-                via: mesh.via,
+                via,
             },
-            links: Links {
-                available,
-                transports: mesh.used,
-                lanes,
-                connector,
-                staging,
-                registrations: RegistrationCache::new(),
-            },
+            links,
             ids: Ids {
                 session: table.session,
                 seq: 0,
@@ -566,48 +568,6 @@ fn listen(
 ) -> std::result::Result<(Vec<Box<dyn Listener>>, mesh::Addresses), String> {
     let (listeners, addresses) = mesh::listen(available).map_err(|e| e.to_string())?;
     Ok((listeners, crate::observe::status::publish(addresses)))
-}
-
-/// Makes the connections to `peers` on every lane that are not made yet.
-fn connect_lanes(
-    connector: &mut Connector,
-    lanes: &mut [Conns; LANES],
-    peers: &[Rank],
-    via: &[Option<&'static str>],
-    deadline: Instant,
-) -> transport::Result<()> {
-    for (lane, conns) in lanes.iter_mut().enumerate() {
-        connect(connector, conns, lane as u8, peers, via, deadline)?;
-    }
-    Ok(())
-}
-
-/// Makes the connections on `lane` to those of `peers` that have none.
-pub(crate) fn connect(
-    connector: &mut Connector,
-    conns: &mut Conns,
-    lane: u8,
-    peers: &[Rank],
-    via: &[Option<&'static str>],
-    deadline: Instant,
-) -> transport::Result<()> {
-    let missing: Vec<Rank> = (peers.iter().copied())
-        .filter(|&p| conns[p].is_none())
-        .collect();
-    if missing.is_empty() {
-        return Ok(());
-    }
-    let held: u64 = (conns.iter().enumerate())
-        .filter(|(_, c)| c.is_some())
-        .chain(missing.iter().map(|&p| (p, &None)))
-        .map(|(p, _)| via[p].map_or(0, mesh::descriptors))
-        .sum();
-    // Every lane may come to hold as many: a coarse bound, raised once.
-    mesh::make_room_for(LANES as u64 * held).map_err(transport::Error::Invalid)?;
-    for (p, c) in connector.connect(&missing, lane, deadline)? {
-        conns[p] = Some(c);
-    }
-    Ok(())
 }
 
 /// The ranks of `peers` grouped by host, in rank order.

@@ -2,11 +2,12 @@
 //! they serve.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use transport::{Rank, RegistrationCache, Transport};
 
 use crate::bootstrap::connector::Connector;
-use crate::bootstrap::mesh::{Conns, LANES};
+use crate::bootstrap::mesh::{self, Conns, LANES};
 use crate::bootstrap::rendezvous::PeerInfo;
 use crate::exec::transfers::Staging;
 
@@ -33,6 +34,37 @@ pub(crate) struct Links {
     pub connector: Connector,
     pub staging: Staging,
     pub registrations: RegistrationCache,
+}
+
+impl Links {
+    /// Connects, on `lane`, to those of `peers` it has no connection to
+    /// yet (`via`: how each rank is reached), waiting until `deadline`.
+    pub fn connect(
+        &mut self,
+        lane: usize,
+        peers: &[Rank],
+        via: &[Option<&'static str>],
+        deadline: Instant,
+    ) -> transport::Result<()> {
+        let conns = &mut self.lanes[lane];
+        let missing: Vec<Rank> = (peers.iter().copied())
+            .filter(|&p| conns[p].is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(());
+        }
+        let held: u64 = (conns.iter().enumerate())
+            .filter(|(_, c)| c.is_some())
+            .chain(missing.iter().map(|&p| (p, &None)))
+            .map(|(p, _)| via[p].map_or(0, mesh::descriptors))
+            .sum();
+        // Every lane may come to hold as many: a coarse bound, raised once.
+        mesh::make_room_for(LANES as u64 * held).map_err(transport::Error::Invalid)?;
+        for (p, c) in self.connector.connect(&missing, lane as u8, deadline)? {
+            conns[p] = Some(c);
+        }
+        Ok(())
+    }
 }
 
 /// The numbers that keep calls, messages and children apart.

@@ -515,15 +515,7 @@ impl Communicator {
             .map(|(p, _)| p)
             .collect();
         let deadline = std::time::Instant::now() + self.config.timeout;
-        let links = &mut self.links;
-        super::connect(
-            &mut links.connector,
-            &mut links.lanes[lane],
-            lane as u8,
-            &peers,
-            &self.job.via,
-            deadline,
-        )
+        (self.links).connect(lane, &peers, &self.job.via, deadline)
     }
 
     /// On a communicator with the flag path, starts call `at` there if it

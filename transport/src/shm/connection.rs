@@ -45,6 +45,10 @@ pub struct ShmConnection {
     side: usize,
     /// Whether the receiver may read large messages from the sender's memory.
     remote_reads: bool,
+    /// Sends up to these sizes go through the slots (`EAGER_MAX`, and
+    /// `EAGER_MAX_ALL_IN_FLIGHT` for regions of all-in-flight sends, each
+    /// at most a slot): fixed with the segment.
+    eager_max: [usize; 2],
     /// The peer's `SharedBuffer`s we read from, mapped.
     maps: PeerMaps,
     sends: VecDeque<Outgoing>,
@@ -113,6 +117,7 @@ impl ShmConnection {
     ) -> Result<Self> {
         ctl.set_nonblocking(true)
             .map_err(|e| Error::io(Some(peer), "configure socket", &e))?;
+        let eager_max = [EAGER_MAX, EAGER_MAX_ALL_IN_FLIGHT].map(|m| m.min(seg.slot_bytes()));
         Ok(ShmConnection {
             seg,
             ctl,
@@ -120,6 +125,7 @@ impl ShmConnection {
             peer_pid,
             side,
             remote_reads,
+            eager_max,
             maps: PeerMaps::new(peer, peer_pid),
             sends: VecDeque::new(),
             publishing: 0,
@@ -770,11 +776,7 @@ impl Connection for ShmConnection {
         self.check_usable()?;
         let data = region.slice_ptr(offset, len)?;
         // Larger messages are read from our memory where the peer can.
-        let eager_max = match region.is_all_in_flight() {
-            true => EAGER_MAX_ALL_IN_FLIGHT,
-            false => EAGER_MAX,
-        }
-        .min(self.seg.slot_bytes());
+        let eager_max = self.eager_max[region.is_all_in_flight() as usize];
         let remote = self.remote_reads && len > eager_max;
         self.sends.push_back(Outgoing {
             data,

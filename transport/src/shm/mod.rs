@@ -115,17 +115,20 @@ impl Transport for ShmTransport {
         let io = |what| move |e: std::io::Error| Error::io(peer, what, &e);
         let addr = SocketAddr::from_abstract_name(address).map_err(io("connect"))?;
         // Made (every page touched) before we connect: the listener gives
-        // a caller little time to say hello.
+        // a caller `HELLO_WITHIN` to say hello.
         let peers = self.peers.load(std::sync::atomic::Ordering::Relaxed);
         let seg = Segment::create(segment::slot_bytes_for(peers))
             .map_err(io("create the shared segment"))?;
         let mut ctl = UnixStream::connect_addr(&addr).map_err(|e| match e.kind() {
             ErrorKind::ConnectionRefused | ErrorKind::NotFound => Error::Invalid(format!(
-                "peer rank {} has no shared-memory listener here: is it on another host or in another network namespace?",
+                "peer rank {} has no shared-memory listener here: it left, or is on another host or in another network namespace",
                 hello.to
             )),
             _ => Error::io(peer, "connect", &e),
         })?;
+        // Our segment goes to a process of our own user only.
+        let pid = peer_of_this_user(&ctl)
+            .map_err(|e| Error::Invalid(format!("peer rank {}: {e}", hello.to)))?;
         set_timeouts(&ctl, deadline).map_err(io("connect"))?;
         // hello, our pid and probe address, with the segment's fd attached.
         let mut msg = wire::encode_hello(&hello).to_vec();
@@ -148,7 +151,6 @@ impl Transport for ShmTransport {
             )));
         }
         let (_, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
-        let pid = peer_of_this_user(&ctl).map_err(Error::Invalid)?;
         let we_read_them = probe_remote(pid, probe);
         ctl.write_all(&[we_read_them as u8])
             .map_err(io("finish the handshake"))?;
@@ -180,8 +182,9 @@ impl Transport for ShmTransport {
     }
 }
 
-/// How long the accepting side's handshake may take once a caller arrived.
-const HANDSHAKE_PATIENCE: Duration = Duration::from_secs(5);
+/// How long a caller has to say hello (a peer that waits for a core,
+/// ranks outnumbering cores, may take a while; a stranger gets no longer).
+const HELLO_WITHIN: Duration = Duration::from_secs(2);
 
 /// Listens on an abstract Unix socket.
 pub struct ShmListener {
@@ -251,28 +254,23 @@ fn handshake(
     me: Rank,
     options: ShmOptions,
 ) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
-    // A caller that arrived gets seconds to say hello and finish, whatever
-    // the wait for it was (a peer may wait that long for a core when ranks
-    // outnumber cores); a stranger no longer.
-    let deadline = Instant::now() + HANDSHAKE_PATIENCE;
-    set_timeouts(&ctl, deadline).map_err(|e| e.to_string())?;
+    // Another user's process learns nothing and maps nothing of ours.
+    let pid = peer_of_this_user(&ctl)?;
+    // A caller gets `HELLO_WITHIN` to say hello (the accepting thread
+    // serves one at a time), then the handshake's time to finish, whatever
+    // the wait for it was.
+    set_timeouts(&ctl, Instant::now() + HELLO_WITHIN).map_err(|e| e.to_string())?;
     let mut msg = [0u8; HELLO_LEN + 4 + 8];
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
     let hello = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
         .map_err(|e| format!("bad hello: {e:?}"))?;
-    if hello.token != token {
-        return Err(format!("rank {} presented another job's token", hello.from));
+    if let Some(why) = wire::refuse_hello(&hello, token, me) {
+        return Err(why);
     }
-    if hello.to != me {
-        return Err(format!(
-            "rank {} wanted rank {}, this is rank {me}",
-            hello.from, hello.to
-        ));
-    }
+    set_timeouts(&ctl, crate::handshake_deadline(Instant::now())).map_err(|e| e.to_string())?;
     let seg = Segment::open(fd.ok_or("no segment attached")?)
-        .map_err(|e| format!("cannot map the segment: {e}"))?;
+        .map_err(|e| format!("cannot map the segment of rank {}: {e}", hello.from))?;
     let (_, probe, _) = parse_identity(&msg[HELLO_LEN..]);
-    let pid = peer_of_this_user(&ctl)?;
     let we_read_them = options.single_copy && probe_remote(pid, probe);
     let mut reply = wire::encode_ack(me).to_vec();
     reply.extend_from_slice(&std::process::id().to_le_bytes());

@@ -28,9 +28,9 @@ pub(crate) const SLOTS: u64 = 16;
 pub(crate) const SLOT_BYTES: usize = 64 << 10;
 /// Bytes of data per slot, at least.
 pub(crate) const MIN_SLOT_BYTES: usize = 2 << 10;
-/// Messages up to this size are copied through the slots; larger ones are
-/// read by the receiver straight from the sender's memory (CMA) when both
-/// sides can, which saves a copy.
+/// Messages up to this size (or a slot's, if smaller) are copied through
+/// the slots; larger ones are read by the receiver straight from the
+/// sender's memory (CMA) when both sides can, which saves a copy.
 pub(crate) const EAGER_MAX: usize = 32 << 10;
 /// `EAGER_MAX` for sends from a region whose messages are all in flight at
 /// once (`MemRegion::all_in_flight`): 8-rank AllToAll of 256 KiB (32 KiB
@@ -142,8 +142,10 @@ const CORE_SHARED: [usize; 2] = [8 * LINE, 9 * LINE];
 pub(crate) struct Segment {
     base: NonNull<u8>,
     _fd: OwnedFd,
-    /// The slots' size (read once: the peer could change the header's).
+    /// The slots' size (read once: the peer could change the header's),
+    /// and so one direction's bytes.
     slot_bytes: usize,
+    dir_bytes: usize,
     /// The mapping's length.
     bytes: usize,
 }
@@ -173,40 +175,33 @@ impl Segment {
 
     /// Maps a segment received from the creating peer, once its seals, its
     /// magic and its size (for the slots its header names) are checked.
+    /// The header is read from the file before anything is mapped.
     pub fn open(fd: OwnedFd) -> std::io::Result<Self> {
         let invalid = |what: String| std::io::Error::new(std::io::ErrorKind::InvalidData, what);
         // A peer's segment it could shrink under our mapping would fault us.
         let bytes = super::check_sealed(&fd, HEADER_BYTES)?;
-        if bytes > segment_bytes(SLOT_BYTES) {
-            return Err(invalid(format!(
-                "a segment of {bytes} bytes, larger than any"
-            )));
-        }
-        let mut seg = Self::map(fd, bytes, 0)?;
-        // SAFETY: the mapping is at least HEADER_BYTES long.
-        let (magic, slot_bytes) = unsafe {
-            let base = seg.base.as_ptr();
-            let slot_bytes = (base.add(SLOT_BYTES_AT) as *const u64).read_volatile();
-            ((base as *const u64).read_volatile(), slot_bytes)
-        };
-        if magic != MAGIC {
+        let mut header = [0u8; 16];
+        rustix::io::pread(&fd, &mut header, 0)?;
+        let word = |at: usize| u64::from_ne_bytes(header[at..at + 8].try_into().unwrap());
+        if word(0) != MAGIC {
             return Err(invalid("not a collectives shared-memory segment".into()));
         }
-        let slot_bytes = usize::try_from(slot_bytes)
+        let slot_bytes = usize::try_from(word(SLOT_BYTES_AT))
             .ok()
             .filter(|b| b.is_power_of_two() && (MIN_SLOT_BYTES..=SLOT_BYTES).contains(b))
-            .ok_or_else(|| invalid(format!("slots of {slot_bytes} bytes")))?;
-        if bytes < segment_bytes(slot_bytes) {
+            .ok_or_else(|| invalid(format!("slots of {} bytes", word(SLOT_BYTES_AT))))?;
+        if bytes != segment_bytes(slot_bytes) {
             return Err(invalid(format!(
-                "a segment of {bytes} bytes, too small for slots of {slot_bytes}"
+                "a segment of {bytes} bytes, not the {} its slots of {slot_bytes} take",
+                segment_bytes(slot_bytes)
             )));
         }
-        seg.slot_bytes = slot_bytes;
-        Ok(seg)
+        Self::map(fd, bytes, slot_bytes)
     }
 
+    /// Maps `bytes` of `fd`, whose seals and size the caller checked (or
+    /// made).
     fn map(fd: OwnedFd, bytes: usize, slot_bytes: usize) -> std::io::Result<Self> {
-        super::check_sealed(&fd, bytes)?;
         // SAFETY: a fresh shared mapping of a file we hold, no longer than
         // the file (sealed against shrinking); nothing in this process
         // aliases it.
@@ -224,6 +219,7 @@ impl Segment {
             base: NonNull::new(ptr.cast()).expect("mmap never returns null"),
             _fd: fd,
             slot_bytes,
+            dir_bytes: dir_bytes(slot_bytes),
             bytes,
         })
     }
@@ -277,7 +273,7 @@ impl Segment {
 
     fn dir_base(&self, dir: usize) -> *mut u8 {
         // SAFETY: both directions lie inside the mapping.
-        unsafe { (self.base.as_ptr()).add(HEADER_BYTES + dir * dir_bytes(self.slot_bytes)) }
+        unsafe { (self.base.as_ptr()).add(HEADER_BYTES + dir * self.dir_bytes) }
     }
 
     /// Writes slot `seq`'s descriptor on `dir` (producer, before publishing).
@@ -297,10 +293,8 @@ impl Segment {
     /// Slot `seq`'s help word on `dir`, and the destination offered with it
     /// (once `WRITTEN`, the write's duration).
     pub fn help(&self, dir: usize, seq: u64) -> (&AtomicU32, &AtomicU64) {
-        let at = HEADER_BYTES
-            + dir * dir_bytes(self.slot_bytes)
-            + (seq % SLOTS) as usize * DESC_BYTES
-            + HELP_AT;
+        let at =
+            HEADER_BYTES + dir * self.dir_bytes + (seq % SLOTS) as usize * DESC_BYTES + HELP_AT;
         (self.atomic_u32(at), self.atomic_u64(at + 8))
     }
 

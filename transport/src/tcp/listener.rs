@@ -152,25 +152,20 @@ impl Greeting {
             tracing::warn!(from = %self.from, "refused a connection: {why}");
             Check::Drop
         };
-        match wire::decode_hello(&self.hello) {
-            Err(BadHello::NotOurs) => refuse("not a collectives peer".into()),
+        let h = match wire::decode_hello(&self.hello) {
+            Err(BadHello::NotOurs) => return refuse("not a collectives peer".into()),
             Err(BadHello::Version(v)) => {
-                refuse(format!("protocol version {v}, ours is {}", wire::VERSION))
+                return refuse(format!("protocol version {v}, ours is {}", wire::VERSION))
             }
-            Ok(h) if h.token != token => {
-                refuse(format!("rank {} presented another job's token", h.from))
-            }
-            Ok(h) if h.to != me => refuse(format!(
-                "rank {} wanted rank {}, this is rank {me}",
-                h.from, h.to
-            )),
-            Ok(h) => {
-                let ack = wire::encode_ack(me);
-                match self.stream.write(&ack) {
-                    Ok(n) if n == ack.len() => Check::Accept(h),
-                    _ => refuse(format!("could not acknowledge rank {}", h.from)),
-                }
-            }
+            Ok(h) => h,
+        };
+        if let Some(why) = wire::refuse_hello(&h, token, me) {
+            return refuse(why);
+        }
+        let ack = wire::encode_ack(me);
+        match self.stream.write(&ack) {
+            Ok(n) if n == ack.len() => Check::Accept(h),
+            _ => refuse(format!("could not acknowledge rank {}", h.from)),
         }
     }
 }

@@ -198,8 +198,7 @@ impl Listener for VerbsListener {
     ) -> Result<(Hello, Box<dyn Connection>)> {
         let (hello, side) = self.side.accept_greeted(token, me, deadline)?;
         let peer = hello.from;
-        // A peer that arrived gets time to finish, whatever the wait was.
-        let deadline = deadline.max(Instant::now() + Duration::from_secs(10));
+        let deadline = crate::handshake_deadline(deadline);
         Ok((
             hello,
             establish(side, peer, &self.port, &self.pd, self.settings, deadline)?,
