@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_int, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use collectives::{AsyncCommunicator, DataType, ErrorKind, ReduceOp};
@@ -101,22 +102,28 @@ fn panic_text(panic: &Box<dyn std::any::Any + Send>) -> String {
         .unwrap_or_else(|| "a panic".into())
 }
 
-/// Every live communicator, by its handle (the address C holds). A handle
-/// not here (destroyed, aborted, never made) is refused with
-/// collInvalidArgument instead of being followed. Calls hold a clone while
+/// Every live communicator, by its handle. A handle not here (destroyed,
+/// aborted, never made) is refused with collInvalidArgument instead of
+/// being followed. Handles are numbers never given twice, not addresses:
+/// a freed communicator's address may come back for the next one, and a
+/// stale handle would then reach it. Calls hold a clone while
 /// they run, so a communicator destroyed meanwhile is freed when the last
 /// one returns, never under it.
 /// A read lock per call: calls on different communicators (a torch job's
 /// process groups, from their threads) do not wait for each other.
 static LIVE: RwLock<BTreeMap<usize, Arc<collComm>>> = RwLock::new(BTreeMap::new());
 
+/// The next handle (a multiple of the alignment a pointer has, so it
+/// looks like one to C; never 0).
+static NEXT_HANDLE: AtomicUsize = AtomicUsize::new(1);
+
 /// Makes `comm` live and gives its handle.
 pub(crate) fn register(comm: collComm) -> collComm_t {
-    let comm = Arc::new(comm);
-    let handle = Arc::as_ptr(&comm).cast_mut();
+    let align = std::mem::align_of::<collComm>();
+    let handle = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed) * align;
     let mut live = LIVE.write().unwrap_or_else(|e| e.into_inner());
-    live.insert(handle as usize, comm);
-    handle
+    live.insert(handle, Arc::new(comm));
+    handle as collComm_t
 }
 
 /// The live communicator behind `comm`.
@@ -142,6 +149,18 @@ fn not_live(comm: collComm_t) -> Failure {
     ))
 }
 
+/// Runs `f` on the live communicator behind `comm`, behind the boundary;
+/// a handle not live is refused there.
+pub(crate) fn with_live(
+    comm: collComm_t,
+    f: impl FnOnce(&Arc<collComm>) -> Result<(), Failure>,
+) -> collResult_t {
+    match lookup(comm) {
+        Ok(c) => guard(Some(&c), || f(&c)),
+        Err(e) => guard(None, || Err(e)),
+    }
+}
+
 /// Runs `f` on the live communicator behind `comm` (one thread at a time),
 /// behind the boundary. The outcome is recorded before the lock is given
 /// up: `collCommAbort`, waiting for the lock, may end the communicator the
@@ -152,7 +171,7 @@ pub(crate) fn with_comm(
 ) -> collResult_t {
     let c = match lookup(comm) {
         Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
+        Err(e) => return guard(None, || Err(e)),
     };
     let inner = c.comm.lock().unwrap_or_else(|e| e.into_inner());
     let outcome = catch(|| f(&c, &inner));

@@ -9,7 +9,7 @@ use collectives::bootstrap::UniqueId;
 use collectives::{AsyncCommunicator, Communicator, Config};
 
 use crate::boundary::{
-    guard, lookup, put, register, thread_last_error, unregister, with_comm, Failure,
+    guard, lookup, put, register, thread_last_error, unregister, with_comm, with_live, Failure,
 };
 use crate::{
     collComm, collComm_t, collConfig_t, collResult_t, collUniqueId, ResultArg, COLL_CONFIG_MAGIC,
@@ -274,12 +274,8 @@ pub unsafe extern "C" fn collCommShrink(
 /// `count` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommCount(comm: collComm_t, count: *mut c_int) -> collResult_t {
-    let c = match lookup(comm) {
-        Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
-    };
     // SAFETY: the caller's promise.
-    guard(Some(&c), || unsafe { put(count, "count", c.size) })
+    with_live(comm, |c| unsafe { put(count, "count", c.size) })
 }
 
 /// This process's rank in `comm`.
@@ -289,12 +285,8 @@ pub unsafe extern "C" fn collCommCount(comm: collComm_t, count: *mut c_int) -> c
 /// `rank` NULL or valid for a write.
 #[no_mangle]
 pub unsafe extern "C" fn collCommUserRank(comm: collComm_t, rank: *mut c_int) -> collResult_t {
-    let c = match lookup(comm) {
-        Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
-    };
     // SAFETY: the caller's promise.
-    guard(Some(&c), || unsafe { put(rank, "rank", c.rank) })
+    with_live(comm, |c| unsafe { put(rank, "rank", c.rank) })
 }
 
 /// Aborts `comm` and frees it, as ncclCommAbort: a call blocked on it in
@@ -341,11 +333,7 @@ pub unsafe extern "C" fn collCommRevoke(comm: collComm_t, reason: *const c_char)
     if comm.is_null() {
         return collResult_t::collSuccess;
     }
-    let c = match lookup(comm) {
-        Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
-    };
-    guard(Some(&c), || {
+    with_live(comm, |c| {
         let why = match reason.is_null() {
             true => "revoked".into(),
             // SAFETY: non-null (checked), NUL-terminated by the caller's promise.
@@ -420,11 +408,7 @@ pub unsafe extern "C" fn collCommGetAsyncError(
     comm: collComm_t,
     asyncError: *mut collResult_t,
 ) -> collResult_t {
-    let c = match lookup(comm) {
-        Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
-    };
-    guard(Some(&c), || {
+    with_live(comm, |c| {
         let background = c.background.lock().unwrap_or_else(|e| e.into_inner());
         let state = match (&background.error, background.in_flight) {
             (Some((code, message)), _) => {

@@ -10,7 +10,7 @@ use std::ffi::c_void;
 
 use collectives::{CallArgs, Communicator};
 
-use crate::boundary::{guard, lookup, with_comm, Failure};
+use crate::boundary::{guard, with_comm, with_live, Failure};
 use crate::{collComm_t, collResult_t};
 
 /// A call recorded in a group. Addresses, not pointers: the caller vouches
@@ -49,11 +49,7 @@ pub(crate) unsafe fn record(
     recv: *mut u8,
     count: usize,
 ) -> collResult_t {
-    let c = match lookup(comm) {
-        Ok(c) => c,
-        Err(f) => return guard(None, || Err(f)),
-    };
-    guard(Some(&c), || {
+    with_live(comm, |c| {
         let args = args(c.size as usize)?;
         GROUP.with(|g| {
             g.borrow_mut().calls.push(Recorded {

@@ -735,6 +735,22 @@ static void test_abort(collComm_t comm) {
          collGetErrorString(r));
   r = collCommAbort(comm);
   EXPECT(r == collInvalidArgument, "abort of a stale handle: %s", collGetErrorString(r));
+  /* Communicators made and destroyed one after another (each likely at
+   * the address the last one freed) never get a handle given before: a
+   * stale handle never reaches a newer communicator. */
+  collComm_t made[4];
+  for (int k = 0; k < 4; k++) {
+    collUniqueId id;
+    if (rank == 0) CHECK(NULL, collGetUniqueId(&id));
+    MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD);
+    CHECK(NULL, collCommInitRank(&made[k], nranks, id, rank));
+    for (int j = 0; j < k; j++) EXPECT(made[k] != made[j], "communicator %d got %d's handle", k, j);
+    EXPECT(made[k] != comm, "communicator %d got the stale handle", k);
+    CHECK(made[k], collCommDestroy(made[k]));
+  }
+  r = collCommCount(made[0], &count);
+  EXPECT(r == collInvalidArgument && count == -1, "a destroyed handle after new ones: %s",
+         collGetErrorString(r));
 }
 
 int main(int argc, char **argv) {
