@@ -43,16 +43,8 @@ pub fn run(program: &Path, args: &[&str], env: &[(&str, &str)], limit: Duration)
     let mut cmd = Command::new(program);
     cmd.args(args).envs(env.iter().copied());
     // Variables a developer's shell might carry would change the job's shape.
-    for v in [
-        "RANK",
-        "WORLD_SIZE",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "COLL_LAUNCHER",
-        "OMPI_COMM_WORLD_RANK",
-        "PMI_RANK",
-        "SLURM_PROCID",
-    ] {
+    let shape = ["WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "COLL_LAUNCHER"];
+    for v in shape.into_iter().chain(collectives::bootstrap::RANK_VARS) {
         if !env.iter().any(|(k, _)| *k == v) {
             cmd.env_remove(v);
         }

@@ -13,9 +13,7 @@ use crate::{FAILED, WRONG_VALUES};
 
 /// Whether a launcher already made this process one rank of a job.
 pub(crate) fn under_launcher() -> bool {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
-        .iter()
-        .any(|v| std::env::var_os(v).is_some())
+    (collectives::bootstrap::RANK_VARS.iter()).any(|v| std::env::var_os(v).is_some())
 }
 
 /// Starts `n` ranks of this very command and waits for them; the exit status

@@ -12,17 +12,11 @@ use crate::cli::BenchArgs;
 /// this project's everyday test; thousands per core is a typo).
 pub const RANKS_PER_CORE: usize = 32;
 
-/// A rank's memory besides its two buffers: staging, a shared-memory
-/// connection to every local peer (as an AllToAll makes; each holds less
-/// when many ranks share the host), the flag path's segment, the process.
+/// A rank's memory besides its two buffers: staging, shared memory (see
+/// `collectives::shared_memory_per_rank`), the process.
 fn baseline_bytes(ranks: usize, config: &Config) -> u64 {
     let staging = (config.chunk_bytes * config.depth) as u64;
-    let peers = ranks.saturating_sub(1);
-    let connections = match config.transport.as_str() {
-        "tcp" | "verbs" => 0,
-        _ => (collectives::shm_connection_bytes(peers) * peers) as u64,
-    };
-    staging + connections + (5 << 20) + (24 << 20)
+    staging + collectives::shared_memory_per_rank(config, ranks) + (24 << 20)
 }
 
 /// Checks a local launch of `ranks` ranks before any is spawned.

@@ -113,6 +113,15 @@ pub fn row(out: &mut dyn Write, r: &Row) -> std::io::Result<()> {
 pub struct Summary {
     pub wrong: u64,
     pub avg_busbw_gbs: f64,
+    #[serde(flatten)]
+    pub most: Maxima,
+    /// Whether connections were made at init (`COLL_CONNECT=eager`).
+    pub eager_connect: bool,
+}
+
+/// What every rank reports, the largest over ranks (one reduction).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct Maxima {
     pub peak_rss_bytes_max: u64,
     /// The slowest rank's seconds to form the communicator.
     pub init_seconds_max: f64,
@@ -120,21 +129,10 @@ pub struct Summary {
     /// and the longest any rank spent making its connections.
     pub connections_max: u64,
     pub connect_seconds_max: f64,
-    /// Whether connections were made at init (`COLL_CONNECT=eager`).
-    pub eager_connect: bool,
-}
-
-/// What every rank reports of its start-up, the maximum over ranks.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct StartUp {
-    pub init_seconds: f64,
-    pub connections: u64,
-    pub connect_seconds: f64,
-    pub eager: bool,
 }
 
 impl Summary {
-    pub fn of(rows: &[Row], peak_rss: u64, start: StartUp) -> Self {
+    pub fn of(rows: &[Row], most: Maxima, eager_connect: bool) -> Self {
         let modes: Vec<&Mode> = rows
             .iter()
             .flat_map(|r| [Some(&r.out_of_place), r.in_place.as_ref()])
@@ -147,11 +145,8 @@ impl Summary {
             } else {
                 modes.iter().map(|m| m.busbw_gbs).sum::<f64>() / modes.len() as f64
             },
-            peak_rss_bytes_max: peak_rss,
-            init_seconds_max: start.init_seconds,
-            connections_max: start.connections,
-            connect_seconds_max: start.connect_seconds,
-            eager_connect: start.eager,
+            most,
+            eager_connect,
         }
     }
 }
@@ -163,7 +158,7 @@ pub fn footer(out: &mut dyn Write, s: &Summary, buffers: u64) -> std::io::Result
     writeln!(
         out,
         "# Peak memory per rank : {} (largest rank's VmHWM; its two buffers are {} each)",
-        human_bytes(s.peak_rss_bytes_max),
+        human_bytes(s.most.peak_rss_bytes_max),
         human_bytes(buffers)
     )?;
     let when = match s.eager_connect {
@@ -174,7 +169,7 @@ pub fn footer(out: &mut dyn Write, s: &Summary, buffers: u64) -> std::io::Result
         out,
         "# Start-up             : {:.3} s to form the communicator (slowest rank); {} connections \
          per rank at most, made in {:.3} s ({when})",
-        s.init_seconds_max, s.connections_max, s.connect_seconds_max
+        s.most.init_seconds_max, s.most.connections_max, s.most.connect_seconds_max
     )?;
     writeln!(out, "#")
 }

@@ -67,13 +67,8 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
         out.flush().map_err(io)?;
         rows.push(row);
     }
-    let mut peak = [bench::peak_rss()];
-    bench
-        .comm
-        .all_reduce_in_place(&mut peak, collectives::ReduceOp::Max)
-        .map_err(|e| e.to_string())?;
-    let start = start_up(bench.comm).map_err(|e| e.to_string())?;
-    let summary = report::Summary::of(&rows, peak[0], start);
+    let most = maxima(bench.comm).map_err(|e| e.to_string())?;
+    let summary = report::Summary::of(&rows, most, bench.comm.config().eager_connect);
     if rank0 {
         report::footer(&mut *out, &summary, max_bytes).map_err(io)?;
         if let Some(path) = &args.json {
@@ -104,16 +99,22 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
     Ok(summary.wrong == 0)
 }
 
-/// Every rank's start-up figures, the maximum of each over the ranks.
-fn start_up(comm: &mut Communicator) -> collectives::Result<report::StartUp> {
+/// Every rank's peak memory and start-up figures, the largest of each
+/// over the ranks.
+fn maxima(comm: &mut Communicator) -> collectives::Result<report::Maxima> {
     let s = comm.stats();
-    let mut max = [s.init_seconds, s.connections as f64, s.connect_seconds];
+    let mut max = [
+        bench::peak_rss() as f64,
+        s.init_seconds,
+        s.connections as f64,
+        s.connect_seconds,
+    ];
     comm.all_reduce_in_place(&mut max, collectives::ReduceOp::Max)?;
-    Ok(report::StartUp {
-        init_seconds: max[0],
-        connections: max[1] as u64,
-        connect_seconds: max[2],
-        eager: comm.config().eager_connect,
+    Ok(report::Maxima {
+        peak_rss_bytes_max: max[0] as u64,
+        init_seconds_max: max[1],
+        connections_max: max[2] as u64,
+        connect_seconds_max: max[3],
     })
 }
 

@@ -137,6 +137,16 @@ const SOURCES: [Source; 4] = [
     },
 ];
 
+/// The rank variable of every launcher this crate knows (torchrun's, Open
+/// MPI's, MPICH's, Slurm's): one set means a launcher made this process a
+/// rank.
+pub const RANK_VARS: [&str; 4] = [
+    SOURCES[0].vars[0],
+    SOURCES[1].vars[0],
+    SOURCES[2].vars[0],
+    SOURCES[3].vars[0],
+];
+
 impl Bootstrap {
     /// A job of one rank: no rendezvous, no peers.
     pub fn single() -> Self {

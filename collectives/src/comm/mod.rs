@@ -570,6 +570,23 @@ fn listen(
     Ok((listeners, crate::observe::status::publish(addresses)))
 }
 
+/// The most shared memory one of `ranks_on_host` ranks with `config`
+/// holds: a connection to every peer on the host if they connect through
+/// shared memory (as an AllToAll makes them; each smaller when many ranks
+/// share the host), and its flag path's segment.
+pub fn shared_memory_per_rank(config: &Config, ranks_on_host: usize) -> u64 {
+    let peers = ranks_on_host.saturating_sub(1);
+    let connections = match config.transport_for(true, false) {
+        Ok("shm") => transport::shm::connection_bytes(peers) * peers,
+        _ => 0,
+    };
+    let flags = match config.tiny_bytes {
+        0 => 0,
+        max => crate::tiny::Tiny::segment_bytes(max),
+    };
+    (connections + flags) as u64
+}
+
 /// The ranks of `peers` grouped by host, in rank order.
 fn group_by_host(peers: &[PeerInfo]) -> Vec<Vec<Rank>> {
     let mut hosts: Vec<(&str, Vec<Rank>)> = Vec::new();
@@ -584,8 +601,7 @@ fn group_by_host(peers: &[PeerInfo]) -> Vec<Vec<Rank>> {
 
 /// The rank number the environment claims, for errors before bootstrap.
 fn env_rank() -> Rank {
-    ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"]
-        .iter()
+    (bootstrap::RANK_VARS.iter())
         .find_map(|v| std::env::var(v).ok()?.parse().ok())
         .unwrap_or(0)
 }

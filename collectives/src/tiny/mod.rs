@@ -126,6 +126,11 @@ fn extend(chain: u32, tag: Tag) -> u32 {
 }
 
 impl Tiny {
+    /// Bytes of a rank's segment for calls up to `max_bytes`.
+    pub fn segment_bytes(max_bytes: usize) -> usize {
+        Segment::bytes(max_bytes)
+    }
+
     /// This rank's segment, and what peers need to open it: (pid, fd).
     pub fn create(max_bytes: usize) -> std::io::Result<(OwnedFd, [u64; 2])> {
         let fd = transport::shm::sealed_memfd("coll-tiny", Segment::bytes(max_bytes))?;
