@@ -209,35 +209,38 @@ unsafe fn run(
         // SAFETY: the caller's promise, until collGroupEnd.
         return unsafe { group::record(comm, args, send, recv, call.count) };
     }
-    // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |c, inner| {
-            let args = args(c.size as usize)?;
-            // Lent to a Reduce off its root with a null receive buffer; owned
-            // by the call (a background one frees it when done).
-            let workspace = Box::into_raw(Box::<Vec<u64>>::default());
-            let free = |w: *mut Vec<u64>| drop(Box::from_raw(w));
-            let (rank, size) = (c.rank as usize, c.size as usize);
-            let bufs = match args.nccl_buffers(rank, size, send, recv, call.count, &mut *workspace)
-            {
-                Ok(bufs) => bufs,
-                Err(m) => {
-                    free(workspace);
-                    return Err(Failure::invalid(format!("rank {rank}: {m}")));
-                }
-            };
-            if let Some(out) = request {
-                let started = request::start(inner, args, bufs, workspace as usize);
-                return crate::boundary::put(out, "request", started);
-            }
-            if c.blocking {
-                let r = inner.call_bytes(&args, bufs, &mut || {});
+    with_comm(comm, |c, inner| {
+        let args = args(c.size as usize)?;
+        // Lent to a Reduce off its root with a null receive buffer; owned
+        // by the call (a background one frees it when done).
+        let workspace = Box::into_raw(Box::<Vec<u64>>::default());
+        // SAFETY: from Box::into_raw above, freed once (each path below frees
+        // it, or hands it to the call that does).
+        let free = |w: *mut Vec<u64>| drop(unsafe { Box::from_raw(w) });
+        let (rank, size) = (c.rank as usize, c.size as usize);
+        // SAFETY: the buffers hold `count` elements as the call's shape says
+        // (the caller's promise); the workspace is ours until freed.
+        let bufs =
+            unsafe { args.nccl_buffers(rank, size, send, recv, call.count, &mut *workspace) };
+        let bufs = match bufs {
+            Ok(bufs) => bufs,
+            Err(m) => {
                 free(workspace);
-                return Ok(r?);
+                return Err(Failure::invalid(format!("rank {rank}: {m}")));
             }
-            background(c, inner, args, bufs, workspace as usize)
-        })
-    }
+        };
+        if let Some(out) = request {
+            let started = request::start(inner, args, bufs, workspace as usize);
+            // SAFETY: `out` NULL or valid for a write (the caller's promise).
+            return unsafe { crate::boundary::put(out, "request", started) };
+        }
+        if c.blocking {
+            let r = inner.call_bytes(&args, bufs, &mut || {});
+            free(workspace);
+            return Ok(r?);
+        }
+        background(c, inner, args, bufs, workspace as usize)
+    })
 }
 
 /// Starts a call of a non-blocking communicator; collCommGetAsyncError

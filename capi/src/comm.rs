@@ -158,18 +158,16 @@ pub unsafe extern "C" fn collCommSplit(
     key: c_int,
     newcomm: *mut collComm_t,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |c, inner| {
-            if newcomm.is_null() {
-                return Err(Failure::invalid("newcomm is NULL"));
-            }
-            let color = u32::try_from(color).ok();
-            let child = inner.split(color, key.into()).wait()?;
-            let child = child.map_or(std::ptr::null_mut(), |ch| wrap(ch, c.blocking));
-            put(newcomm, "newcomm", child)
-        })
-    }
+    with_comm(comm, |c, inner| {
+        if newcomm.is_null() {
+            return Err(Failure::invalid("newcomm is NULL"));
+        }
+        let color = u32::try_from(color).ok();
+        let child = inner.split(color, key.into()).wait()?;
+        let child = child.map_or(std::ptr::null_mut(), |ch| wrap(ch, c.blocking));
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(newcomm, "newcomm", child) }
+    })
 }
 
 /// The ranks of `comm` that failed, the same set on every survivor (as
@@ -191,28 +189,27 @@ pub unsafe extern "C" fn collCommGetFailedRanks(
     capacity: c_int,
     count: *mut c_int,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |_, inner| {
-            if count.is_null() || (ranks.is_null() && capacity > 0) || capacity < 0 {
-                return Err(Failure::invalid(
-                    "count is NULL, or ranks is NULL with a capacity",
-                ));
-            }
-            let failed = inner.failed_ranks().wait()?;
-            put(count, "count", failed.len() as c_int)?;
-            for (i, r) in failed.iter().take(capacity as usize).enumerate() {
-                ranks.add(i).write(*r as c_int);
-            }
-            match failed.len() <= capacity as usize {
-                true => Ok(()),
-                false => Err(Failure::invalid(format!(
-                    "{} ranks failed, ranks has room for {capacity}",
-                    failed.len()
-                ))),
-            }
-        })
-    }
+    with_comm(comm, |_, inner| {
+        if count.is_null() || (ranks.is_null() && capacity > 0) || capacity < 0 {
+            return Err(Failure::invalid(
+                "count is NULL, or ranks is NULL with a capacity",
+            ));
+        }
+        let failed = inner.failed_ranks().wait()?;
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(count, "count", failed.len() as c_int) }?;
+        for (i, r) in failed.iter().take(capacity as usize).enumerate() {
+            // SAFETY: i < capacity, for which `ranks` is valid (the caller's promise).
+            unsafe { ranks.add(i).write(*r as c_int) };
+        }
+        match failed.len() <= capacity as usize {
+            true => Ok(()),
+            false => Err(Failure::invalid(format!(
+                "{} ranks failed, ranks has room for {capacity}",
+                failed.len()
+            ))),
+        }
+    })
 }
 
 /// A communicator of the ranks of `comm` not in `excludeRanks` (and not
@@ -239,32 +236,31 @@ pub unsafe extern "C" fn collCommShrink(
     config: *const collConfig_t,
     flags: c_int,
 ) -> collResult_t {
-    // SAFETY: the caller's promise.
-    unsafe {
-        with_comm(comm, |c, inner| {
-            if newcomm.is_null() || excludeCount < 0 || (excludeRanks.is_null() && excludeCount > 0)
-            {
-                return Err(Failure::invalid(
-                    "newcomm is NULL, or excludeRanks does not hold excludeCount ranks",
-                ));
-            }
-            let abort_first = match flags {
-                crate::COLL_SHRINK_DEFAULT => false,
-                crate::COLL_SHRINK_ABORT => true,
-                other => return Err(Failure::invalid(format!("unknown shrink flags {other}"))),
-            };
-            let blocking = match config.is_null() {
-                true => c.blocking,
-                false => settings(config)?.0,
-            };
-            let excluded: Vec<usize> = (0..excludeCount as usize)
-                .map(|i| usize::try_from(*excludeRanks.add(i)))
-                .collect::<Result<_, _>>()
-                .map_err(|_| Failure::invalid("a negative rank in excludeRanks"))?;
-            let child = inner.shrink(excluded, abort_first).wait()?;
-            put(newcomm, "newcomm", wrap(child, blocking))
-        })
-    }
+    with_comm(comm, |c, inner| {
+        if newcomm.is_null() || excludeCount < 0 || (excludeRanks.is_null() && excludeCount > 0) {
+            return Err(Failure::invalid(
+                "newcomm is NULL, or excludeRanks does not hold excludeCount ranks",
+            ));
+        }
+        let abort_first = match flags {
+            crate::COLL_SHRINK_DEFAULT => false,
+            crate::COLL_SHRINK_ABORT => true,
+            other => return Err(Failure::invalid(format!("unknown shrink flags {other}"))),
+        };
+        let blocking = match config.is_null() {
+            true => c.blocking,
+            // SAFETY: non-null, initialized by the caller (its promise).
+            false => unsafe { settings(config) }?.0,
+        };
+        let excluded: Vec<usize> = (0..excludeCount as usize)
+            // SAFETY: i < excludeCount, for which `excludeRanks` is valid.
+            .map(|i| usize::try_from(unsafe { *excludeRanks.add(i) }))
+            .collect::<Result<_, _>>()
+            .map_err(|_| Failure::invalid("a negative rank in excludeRanks"))?;
+        let child = inner.shrink(excluded, abort_first).wait()?;
+        // SAFETY: non-null (checked), valid by the caller's promise.
+        unsafe { put(newcomm, "newcomm", wrap(child, blocking)) }
+    })
 }
 
 /// The number of ranks of `comm`.

@@ -230,10 +230,18 @@ pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
 /// Seconds, fractional allowed: `30`, `0.5`, `2s`; at most a year.
 pub fn parse_seconds(s: &str) -> Result<Duration, String> {
     let t = s.trim().trim_end_matches('s');
-    match t.parse::<f64>() {
-        Ok(v) if v > 0.0 && v <= MAX_TIMEOUT.as_secs_f64() => Ok(Duration::from_secs_f64(v)),
-        _ => Err(format!(
-            "'{s}' is not a number of seconds above 0 and at most a year"
+    t.parse::<f64>()
+        .map_err(|_| format!("'{s}' is not a number of seconds"))
+        .and_then(seconds)
+}
+
+/// `v` seconds as a timeout: above 0 and at most a year (beyond, a
+/// deadline overflows the clock); NaN and infinities are refused.
+pub fn seconds(v: f64) -> Result<Duration, String> {
+    match v > 0.0 && v <= MAX_TIMEOUT.as_secs_f64() {
+        true => Ok(Duration::from_secs_f64(v)),
+        false => Err(format!(
+            "{v} is not a number of seconds above 0 and at most a year"
         )),
     }
 }

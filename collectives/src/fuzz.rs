@@ -48,8 +48,8 @@ proptest! {
 
     #[test]
     fn any_rendezvous_message_is_read_or_refused(m in framed()) {
-        let _ = rendezvous::receive::<Join>(&mut Cursor::new(&m));
-        let _ = rendezvous::receive::<Reply>(&mut Cursor::new(&m));
+        let _ = rendezvous::receive_at_most::<Join>(&mut Cursor::new(&m), 64 << 20);
+        let _ = rendezvous::receive_at_most::<Reply>(&mut Cursor::new(&m), 64 << 20);
     }
 
     #[test]
@@ -57,7 +57,7 @@ proptest! {
         let mut m = len.to_le_bytes().to_vec();
         m.extend(std::iter::repeat_n(b'x', sent));
         let mut r = Watched { inner: Cursor::new(&m), largest: 0 };
-        prop_assert!(rendezvous::receive::<Join>(&mut r).is_err());
+        prop_assert!(rendezvous::receive_at_most::<Join>(&mut r, 64 << 20).is_err());
         // The parser never offered a buffer sized by the claim.
         prop_assert!(r.largest <= 64 << 10, "a {} byte buffer for {sent} bytes", r.largest);
     }

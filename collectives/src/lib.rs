@@ -95,7 +95,7 @@ pub use call::reduce::ReduceOp;
 pub use comm::group::{Group, FUSE_MAX_BYTES};
 pub use comm::nonblocking::{AsyncCommunicator, Handle, Ticket};
 pub use comm::{shared_memory_per_rank, Communicator};
-pub use config::{parse_algo, parse_seconds, parse_size, Config};
+pub use config::{parse_algo, parse_seconds, parse_size, seconds, Config};
 pub use error::{Error, ErrorKind, Result};
 pub use fault::abort::AbortHandle;
 pub use observe::recorder::{CallRecord, Dump, PeerStats, Stats, WaitRecord};

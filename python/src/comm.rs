@@ -3,8 +3,6 @@
 //! released. Calls are in place where one array is given; send and
 //! receive arrays must share a dtype.
 
-use std::time::Duration;
-
 use collectives::bootstrap::UniqueId;
 use collectives::{
     AbortHandle, AsyncCommunicator, Buffers, CallArgs, Collective, Config, ReduceOp, VarCounts,
@@ -161,7 +159,7 @@ impl Communicator {
         let boot = id.bootstrap(rank, size).map_err(PyValueError::new_err)?;
         let mut config = Config::from_env().map_err(PyValueError::new_err)?;
         if let Some(t) = timeout {
-            config.timeout = Duration::from_secs_f64(t);
+            config.timeout = collectives::seconds(t).map_err(PyValueError::new_err)?;
         }
         py.detach(|| collectives::Communicator::init(boot, config))
             .map(Self::wrap)

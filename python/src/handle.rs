@@ -9,6 +9,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use collectives::{AbortHandle, Ticket};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::errors::Failure;
@@ -199,7 +200,13 @@ impl Handle {
     /// returns False), raising its error if it failed. Returns True once done.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let timeout = timeout.map(|t| Duration::from_secs_f64(t.max(0.0)));
+        // 0 or less: only look. NaN, infinity and over a year are refused.
+        let timeout = timeout
+            .map(|t| match t <= 0.0 {
+                true => Ok(Duration::ZERO),
+                false => collectives::seconds(t).map_err(PyValueError::new_err),
+            })
+            .transpose()?;
         self.wait_done(py, timeout)
     }
 

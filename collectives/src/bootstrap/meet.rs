@@ -48,7 +48,7 @@ pub(crate) fn meet(boot: &Bootstrap, me: PeerInfo, deadline: Instant) -> Result<
         Meeting::Pmi { fd } => {
             let mut pmi = Pmi::connect(*fd, deadline.saturating_duration_since(Instant::now()))?;
             let server = if hosting {
-                let server = Server::bind(SocketAddr::new(boot.local_ip(), 0))?;
+                let server = Server::bind(SocketAddr::new(boot.local_ip()?, 0))?;
                 let token = random_token();
                 pmi.put(PMI_KEY, &format!("{}/{token:032x}", server.local_addr()))?;
                 Some(server)
@@ -62,7 +62,7 @@ pub(crate) fn meet(boot: &Bootstrap, me: PeerInfo, deadline: Instant) -> Result<
         }
         #[cfg(feature = "mpi")]
         Meeting::Mpi => {
-            let bind = || Server::bind(SocketAddr::new(boot.local_ip(), 0));
+            let bind = || Server::bind(SocketAddr::new(boot.local_ip()?, 0));
             let server = if hosting { Some(bind()) } else { None };
             let token = random_token();
             let announcement = server.as_ref().map(|s| {

@@ -162,6 +162,7 @@ impl Bootstrap {
     /// Reads the environment (see the module docs). With none of the
     /// variables set, this is a job of one rank.
     pub fn from_env() -> Result<Self, String> {
+        // Refused before anything starts (`local_ip` reads it when used).
         interface_ip_from_env()?;
         let Some(src) = SOURCES.iter().find(|s| var(s.vars[0]).is_some()) else {
             return Ok(Self::single());
@@ -199,19 +200,20 @@ impl Bootstrap {
         })
     }
 
-    /// The address this rank's listeners bind: the one peers can reach.
-    pub fn local_ip(&self) -> IpAddr {
-        // (An unknown COLL_SOCKET_IFNAME was refused by `from_env`.)
-        if let Ok(Some(ip)) = interface_ip_from_env() {
-            return ip;
+    /// The address this rank's listeners bind: the one peers can reach
+    /// (`COLL_SOCKET_IFNAME`'s, an unknown one an error however the job
+    /// was made, by `from_env` or from a unique id).
+    pub fn local_ip(&self) -> Result<IpAddr, String> {
+        if let Some(ip) = interface_ip_from_env()? {
+            return Ok(ip);
         }
         let loopback = IpAddr::from([127, 0, 0, 1]);
-        match &self.meeting {
+        Ok(match &self.meeting {
             Some(Meeting::Address { addr, .. }) => local_ip_towards(*addr),
             Some(Meeting::Local { .. }) | None => loopback,
             // PMI or MPI reach other hosts: listen where they can reach us.
             Some(_) => first_interface_ip().unwrap_or(loopback),
-        }
+        })
     }
 }
 

@@ -216,14 +216,15 @@ impl Server {
     /// Accepts waiting connections; a thread per connection reads its
     /// request (at most `MAX_READERS` at once, each within `JOIN_WITHIN`),
     /// so a silent or trickling stranger holds up nobody and a flood of them
-    /// costs a bounded number of threads.
+    /// costs a bounded number of threads. Past that many, connections wait
+    /// in the listener's backlog: a flood delays a join, never drops it.
     fn accept_pending(&self, tx: &mpsc::Sender<(TcpStream, Join)>, readers: &Arc<AtomicUsize>) {
-        while let Ok((mut stream, from)) = self.listener.accept() {
-            if readers.fetch_add(1, Ordering::SeqCst) >= MAX_READERS {
-                readers.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!(%from, "rendezvous dropped a connection: {MAX_READERS} are being read");
-                continue;
-            }
+        // Only this thread adds readers: the count cannot pass the cap.
+        while readers.load(Ordering::SeqCst) < MAX_READERS {
+            let Ok((mut stream, from)) = self.listener.accept() else {
+                return;
+            };
+            readers.fetch_add(1, Ordering::SeqCst);
             let (tx, readers) = (tx.clone(), readers.clone());
             std::thread::spawn(move || {
                 let _ = stream.set_nonblocking(false);
@@ -298,11 +299,7 @@ pub fn join(
     send(&mut stream, &request).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
     // Wait a little past our own deadline: the rendezvous gives up at its
     // own, and only its answer can say which ranks never came.
-    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(2);
-    stream
-        .set_read_timeout(Some(left))
-        .map_err(|e| e.to_string())?;
-    match receive::<Reply>(&mut stream) {
+    match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, deadline + Duration::from_secs(2)) {
         Ok(Reply::Welcome { session, peers }) => Ok(Table {
             session: u128::from_str_radix(&session, 16).map_err(|e| e.to_string())?,
             peers,
@@ -359,11 +356,8 @@ fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
     stream.write_all(&body)
 }
 
-/// One length-prefixed JSON message (at most 64 MiB: a stranger's length
-/// prefix allocates nothing beyond what it sends, up to that bound).
-pub(crate) fn receive<T: for<'de> Deserialize<'de>>(stream: &mut impl Read) -> std::io::Result<T> {
-    receive_at_most(stream, 64 << 20)
-}
+/// The longest reply a joiner reads (the table of every rank).
+const MAX_REPLY_BYTES: usize = 64 << 20;
 
 /// One message of at most `max` bytes, all of it by `deadline` (a deadline
 /// for the message, not for each read: a sender trickling a byte at a time
@@ -376,7 +370,9 @@ fn receive_by<T: for<'de> Deserialize<'de>>(
     receive_at_most(&mut ByDeadline { stream, deadline }, max)
 }
 
-fn receive_at_most<T: for<'de> Deserialize<'de>>(
+/// One length-prefixed JSON message of at most `max` bytes: a stranger's
+/// length prefix allocates nothing beyond what it sends.
+pub(crate) fn receive_at_most<T: for<'de> Deserialize<'de>>(
     stream: &mut impl Read,
     max: usize,
 ) -> std::io::Result<T> {

@@ -115,7 +115,7 @@ impl Communicator {
         config.validate().map_err(fail)?;
         let started = Instant::now();
         let deadline = started + config.timeout;
-        let available = mesh::available(boot.local_ip(), &config);
+        let available = mesh::available(boot.local_ip().map_err(fail)?, &config);
         let (listeners, addresses) = listen(&available).map_err(fail)?;
         let me = PeerInfo::new(rank, addresses, config.shared_settings());
         let table = bootstrap::meet(&boot, me, deadline).map_err(fail)?;

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 use transport::Rank;
 
 use crate::bootstrap::mesh::Addresses;
-use crate::observe::ballot::Answer;
+use crate::observe::ballot::{Answer, Decision};
 use crate::observe::status::{self, Board};
 
 /// What an agreement gives: the failed ranks, and each rank's payload.
@@ -81,11 +81,9 @@ pub(crate) fn agree(
     board.agreement(|s| {
         s.current = k;
         s.proposal = failed.iter().copied().collect();
-        s.payloads.resize(k as usize, None);
-        s.payloads[k as usize - 1] = payload;
+        s.payload = payload;
     });
     let mut pause = Duration::from_millis(1);
-    let mut all: Option<Vec<Option<Addresses>>> = None;
     let decided = loop {
         let coordinator = (0..n).find(|r| !failed.contains(r)).unwrap_or(me);
         let leading = coordinator == me;
@@ -117,16 +115,14 @@ pub(crate) fn agree(
                     settled &= theirs.iter().copied().eq(before.iter().copied());
                     failed.extend(theirs.into_iter().filter(|r| *r < n));
                 }
-                Some(Answer::Decided {
-                    failed: theirs,
-                    payload,
-                    all: theirs_all,
-                }) => {
-                    payloads[r] = payload;
-                    if theirs_all.len() == n {
-                        all = Some(theirs_all);
+                Some(Answer::Decided(d)) => {
+                    // The decider's payloads; ours stays ours.
+                    for (q, p) in d.payloads.into_iter().enumerate().take(n) {
+                        if q != me {
+                            payloads[q] = p;
+                        }
                     }
-                    adopted = Some(theirs);
+                    adopted = Some(d.failed);
                 }
             }
         }
@@ -161,41 +157,21 @@ pub(crate) fn agree(
         return Err("the other ranks decided that this rank failed: it answered too late".into());
     }
     let failed: Vec<Rank> = decided.iter().copied().collect();
-    if let Some(all) = all {
-        // The decider's view of every payload; ours stays ours.
-        for (r, p) in all.into_iter().enumerate() {
-            if r != me && payloads[r].is_none() {
-                payloads[r] = p;
-            }
-        }
-    }
-    // An adopted decision may name survivors whose payloads we lack (from
-    // a decider that did not pass them on): ask them.
-    let missing: Vec<(Rank, Option<SocketAddr>)> = (0..n)
-        .filter(|r| *r != me && !decided.contains(r) && payloads[*r].is_none())
-        .map(|r| (r, addresses[r]))
-        .collect();
-    if payloads[me].is_some() {
-        for (r, answer) in ask_all(&missing, session, k, n) {
-            if let Some(Answer::Proposing { payload, .. } | Answer::Decided { payload, .. }) =
-                answer
-            {
-                payloads[r] = payload;
-            }
-        }
-    }
-    let known: Vec<Option<Addresses>> = (0..n)
-        .map(|r| {
-            (!decided.contains(&r))
-                .then(|| payloads[r].clone())
-                .flatten()
-        })
-        .collect();
+    // Every survivor's payload: the coordinator heard each (a proposal
+    // carries it), and passes them on with its decision.
+    let decision = Decision {
+        failed: failed.clone(),
+        payloads: (0..n)
+            .map(|r| {
+                (!decided.contains(&r))
+                    .then(|| payloads[r].clone())
+                    .flatten()
+            })
+            .collect(),
+    };
     board.agreement(|s| {
-        s.decided.resize(k as usize, Vec::new());
-        s.decided[k as usize - 1] = failed.clone();
-        s.all_payloads.resize(k as usize, Vec::new());
-        s.all_payloads[k as usize - 1] = known;
+        s.decided.resize(k as usize, Decision::default());
+        s.decided[k as usize - 1] = decision;
     });
     Ok(Outcome { failed, payloads })
 }

@@ -15,12 +15,18 @@ pub(crate) struct Ballot {
     /// Agreements started (the current one's number).
     pub(crate) current: u32,
     pub(crate) proposal: Vec<Rank>,
-    /// By agreement number - 1: the decided set and the payload.
-    pub(crate) decided: Vec<Vec<Rank>>,
-    pub(crate) payloads: Vec<Option<Addresses>>,
-    /// By agreement number - 1: every member's payload, as the decider
-    /// knew them (so a rank that adopts a decision needs ask nobody else).
-    pub(crate) all_payloads: Vec<Vec<Option<Addresses>>>,
+    /// The current agreement's payload (a shrink's new addresses).
+    pub(crate) payload: Option<Addresses>,
+    /// By agreement number - 1.
+    pub(crate) decided: Vec<Decision>,
+}
+
+/// What an agreement decided: the failed ranks and every member's
+/// payload, by rank (so a rank that adopts it need ask nobody else).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Decision {
+    pub failed: Vec<Rank>,
+    pub payloads: Vec<Option<Addresses>>,
 }
 
 /// What a rank says of agreement number k.
@@ -32,13 +38,7 @@ pub enum Answer {
         failed: Vec<Rank>,
         payload: Option<Addresses>,
     },
-    Decided {
-        failed: Vec<Rank>,
-        payload: Option<Addresses>,
-        /// Every member's payload, by rank (`None`: failed, or none).
-        #[serde(default)]
-        all: Vec<Option<Addresses>>,
-    },
+    Decided(Decision),
     /// The rank no longer has the communicator.
     Left,
 }
@@ -46,17 +46,13 @@ pub enum Answer {
 impl Ballot {
     pub fn answer(&self, k: u32) -> Answer {
         let at = k as usize;
-        if at >= 1 && at <= self.decided.len() {
-            return Answer::Decided {
-                failed: self.decided[at - 1].clone(),
-                payload: self.payloads[at - 1].clone(),
-                all: (self.all_payloads.get(at - 1).cloned()).unwrap_or_default(),
-            };
+        if let Some(d) = at.checked_sub(1).and_then(|i| self.decided.get(i)) {
+            return Answer::Decided(d.clone());
         }
         match k == self.current && k > 0 {
             true => Answer::Proposing {
                 failed: self.proposal.clone(),
-                payload: self.payloads.get(at - 1).cloned().flatten(),
+                payload: self.payload.clone(),
             },
             false => Answer::NotYet,
         }
@@ -73,7 +69,6 @@ mod tests {
         assert_eq!(s.answer(1), Answer::NotYet);
         s.current = 1;
         s.proposal = vec![2];
-        s.payloads = vec![None];
         assert_eq!(
             s.answer(1),
             Answer::Proposing {
@@ -81,18 +76,14 @@ mod tests {
                 payload: None
             }
         );
-        s.decided = vec![vec![2, 3]];
+        let d = Decision {
+            failed: vec![2, 3],
+            payloads: vec![None; 4],
+        };
+        s.decided = vec![d.clone()];
         s.current = 2;
         s.proposal = vec![];
-        s.payloads.push(None);
-        assert_eq!(
-            s.answer(1),
-            Answer::Decided {
-                failed: vec![2, 3],
-                payload: None,
-                all: vec![],
-            }
-        );
+        assert_eq!(s.answer(1), Answer::Decided(d));
         assert_eq!(s.answer(3), Answer::NotYet);
     }
 }

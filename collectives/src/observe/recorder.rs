@@ -484,9 +484,13 @@ pub(crate) fn write(dump: &Dump, dir: &Path) -> std::io::Result<PathBuf> {
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW)
         .open(&part)?;
-    file.write_all((text + "\n").as_bytes())?;
-    std::fs::rename(&part, &path)?;
-    Ok(path)
+    let written =
+        (file.write_all((text + "\n").as_bytes())).and_then(|()| std::fs::rename(&part, &path));
+    if written.is_err() {
+        // A full disk, say: no hidden part left behind.
+        let _ = std::fs::remove_file(&part);
+    }
+    written.map(|()| path)
 }
 
 #[cfg(test)]

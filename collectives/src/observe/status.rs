@@ -448,7 +448,17 @@ fn serve(listener: TcpListener) {
                 asking.push_back(a);
             }
         }
-        while let Ok((stream, _)) = listener.accept() {
+        loop {
+            let stream = match listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                // Out of descriptors, say: the listener stays readable,
+                // which is no reason to spin.
+                Err(_) => {
+                    std::thread::sleep(Duration::from_millis(20));
+                    break;
+                }
+            };
             if stream.set_nonblocking(true).is_err() {
                 continue;
             }
@@ -483,10 +493,8 @@ fn wait_for_any(listener: &TcpListener, asking: &VecDeque<Asking>) -> Vec<bool> 
     let wait = first.map_or(QUESTION_WITHIN, |by| {
         by.saturating_duration_since(Instant::now())
     });
-    let timeout = Timespec {
-        tv_sec: wait.as_secs() as i64,
-        tv_nsec: wait.subsec_nanos().into(),
-    };
+    // At most QUESTION_WITHIN: it fits.
+    let timeout = Timespec::try_from(wait).unwrap_or_default();
     let _ = poll(&mut fds, Some(&timeout));
     fds[1..].iter().map(|f| !f.revents().is_empty()).collect()
 }
