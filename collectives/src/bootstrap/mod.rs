@@ -46,6 +46,7 @@ pub(crate) mod mesh;
 #[cfg(feature = "mpi")]
 mod mpi;
 pub(crate) mod pmi;
+pub mod relay;
 pub mod rendezvous;
 mod unique_id;
 

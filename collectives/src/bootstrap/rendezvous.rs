@@ -1,6 +1,8 @@
 //! The rendezvous: one TCP server (in rank 0, or in the launcher) where every
-//! rank posts who it is and how to reach it, and gets everyone's answer once
-//! all have arrived. Messages are length-prefixed JSON; it runs once per job.
+//! rank posts who it is and how to reach it. Once all have arrived it sends
+//! everyone's info to the first ranks only, which hand it down a tree
+//! ([`super::relay`]); the others learn from it whom their table comes from.
+//! Messages are length-prefixed JSON; it runs once per job.
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -12,6 +14,8 @@ use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use transport::Rank;
+
+use super::relay;
 
 /// What a rank tells the others about itself.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -51,13 +55,23 @@ pub(crate) struct Join {
     job: String,
     size: usize,
     info: PeerInfo,
+    /// Where this rank accepts the table from its parent in the relay tree.
+    relay: SocketAddr,
 }
 
 #[derive(Serialize, Deserialize)]
 pub(crate) enum Reply {
+    /// The table itself, to the first ranks of the relay tree.
     Welcome {
         session: String,
         peers: Vec<PeerInfo>,
+        children: Vec<SocketAddr>,
+    },
+    /// The table comes from rank `parent`; pass it on to `children`.
+    Relayed {
+        session: String,
+        parent: Rank,
+        children: Vec<SocketAddr>,
     },
     Refused {
         reason: String,
@@ -91,7 +105,7 @@ pub struct Server {
 impl Server {
     /// Binds `addr`, with messages that say what to do when it cannot.
     pub fn bind(addr: SocketAddr) -> Result<Self, String> {
-        let listener = TcpListener::bind(addr).map_err(|e| match e.kind() {
+        let listener = crate::sys::listener::bind(addr).map_err(|e| match e.kind() {
             ErrorKind::AddrInUse => format!(
                 "cannot host the rendezvous: port {} on {} is already in use (another job, \
                  or a previous one still exiting?): choose another MASTER_PORT",
@@ -136,7 +150,7 @@ impl Server {
         let readers = Arc::new(AtomicUsize::new(0));
         // By rank: memory grows with the ranks that joined, never with what
         // a joiner claims the size is.
-        let mut joined: BTreeMap<Rank, (TcpStream, PeerInfo)> = BTreeMap::new();
+        let mut joined: BTreeMap<Rank, (TcpStream, Join)> = BTreeMap::new();
         let mut size = size;
         // Joins refused (their senders were told why), for the timeout's error.
         let mut refused: Vec<String> = Vec::new();
@@ -173,18 +187,9 @@ impl Server {
             }
             tracing::debug!(rank = j.info.rank, host = %j.info.hostname, "joined the rendezvous");
             size.get_or_insert(j.size);
-            joined.insert(j.info.rank, (stream, j.info));
+            joined.insert(j.info.rank, (stream, j));
         }
-        let peers: Vec<PeerInfo> = joined.values().map(|(_, info)| info.clone()).collect();
-        let welcome = Reply::Welcome {
-            session: format!("{:032x}", super::random_token()),
-            peers,
-        };
-        for (stream, info) in joined.values_mut() {
-            if let Err(e) = send(stream, &welcome) {
-                tracing::warn!(rank = info.rank, "could not answer at the rendezvous: {e}");
-            }
-        }
+        answer(joined);
         Ok(())
     }
 
@@ -192,7 +197,7 @@ impl Server {
     fn timed_out(
         &self,
         size: Option<usize>,
-        joined: &BTreeMap<Rank, (TcpStream, PeerInfo)>,
+        joined: &BTreeMap<Rank, (TcpStream, Join)>,
         refused: &[String],
     ) -> String {
         let size = size.unwrap_or(0);
@@ -242,11 +247,40 @@ impl Server {
     }
 }
 
+/// Answers every rank of a whole job (`joined` holds ranks `0..n`): the
+/// table to the relay tree's first ranks, its parent to every other, first
+/// to those that start the relay.
+fn answer(mut joined: BTreeMap<Rank, (TcpStream, Join)>) {
+    let size = joined.len();
+    let peers: Vec<PeerInfo> = joined.values().map(|(_, j)| j.info.clone()).collect();
+    let relays: Vec<SocketAddr> = joined.values().map(|(_, j)| j.relay).collect();
+    let session = format!("{:032x}", super::random_token());
+    for (&rank, (stream, _)) in joined.iter_mut() {
+        let children = relay::children(rank, size).map(|c| relays[c]).collect();
+        let session = session.clone();
+        let reply = match relay::parent(rank) {
+            None => Reply::Welcome {
+                session,
+                peers: peers.clone(),
+                children,
+            },
+            Some(parent) => Reply::Relayed {
+                session,
+                parent,
+                children,
+            },
+        };
+        if let Err(e) = send(stream, &reply) {
+            tracing::warn!(rank, "could not answer at the rendezvous: {e}");
+        }
+    }
+}
+
 /// Why a join of this job cannot be taken, if it cannot.
 fn bad_join(
     j: &Join,
     size: Option<usize>,
-    joined: &BTreeMap<Rank, (TcpStream, PeerInfo)>,
+    joined: &BTreeMap<Rank, (TcpStream, Join)>,
 ) -> Option<String> {
     let rank = j.info.rank;
     if !(1..=MAX_RANKS).contains(&j.size) {
@@ -267,11 +301,11 @@ fn bad_join(
     let (_, first) = joined.get(&rank)?;
     Some(format!(
         "rank {rank} joined twice (pids {} and {}): the second is refused",
-        first.pid, j.info.pid
+        first.info.pid, j.info.pid
     ))
 }
 
-fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, PeerInfo)>, reason: &str) {
+fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, Join)>, reason: &str) {
     for (stream, _) in joined {
         let _ = send(
             stream,
@@ -282,7 +316,8 @@ fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, PeerInfo)>, r
     }
 }
 
-/// Joins the rendezvous at `addr` and waits for everyone's info until `deadline`.
+/// Joins the rendezvous at `addr` and waits for everyone's info until
+/// `deadline`, then passes it on to this rank's children in the relay tree.
 pub fn join(
     addr: SocketAddr,
     job: u128,
@@ -290,26 +325,39 @@ pub fn join(
     me: PeerInfo,
     deadline: Instant,
 ) -> Result<Table, String> {
+    let at = |e: std::io::Error| format!("rendezvous at {addr}: {e}");
     let mut stream = connect(addr, deadline)?;
+    // Listen where the rendezvous reached us: our parent can reach us there.
+    let ip = stream.local_addr().map_err(at)?.ip();
+    let listener = crate::sys::listener::bind(SocketAddr::new(ip, 0)).map_err(at)?;
     let request = Join {
         job: format!("{job:032x}"),
         size,
         info: me,
+        relay: listener.local_addr().map_err(at)?,
     };
-    send(&mut stream, &request).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
+    send(&mut stream, &request).map_err(at)?;
     // Wait a little past our own deadline: the rendezvous gives up at its
     // own, and only its answer can say which ranks never came.
-    match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, deadline + Duration::from_secs(2)) {
-        Ok(Reply::Welcome { session, peers }) => Ok(Table {
-            session: u128::from_str_radix(&session, 16).map_err(|e| e.to_string())?,
-            peers,
-        }),
-        Ok(Reply::Refused { reason }) => Err(format!("the rendezvous at {addr} refused the job: {reason}")),
-        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => Err(format!(
+    let late = deadline + Duration::from_secs(2);
+    let (session, peers, children) = match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, late) {
+        Ok(Reply::Welcome { session, peers, children }) => (session, peers, children),
+        Ok(Reply::Relayed { session, parent, children }) => {
+            let peers = relay::await_table(&listener, &session, parent, size, late)?;
+            (session, peers, children)
+        }
+        Ok(Reply::Refused { reason }) => return Err(format!("the rendezvous at {addr} refused the job: {reason}")),
+        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return Err(format!(
             "Timed out waiting: not every rank reached the rendezvous at {addr} in time (started all {size}? same MASTER_ADDR/MASTER_PORT?)"
         )),
-        Err(e) => Err(format!("rendezvous at {addr}: {e}")),
-    }
+        Err(e) => return Err(at(e)),
+    };
+    relay::check(&peers, size).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
+    relay::pass_on(&session, &peers, &children, late);
+    Ok(Table {
+        session: u128::from_str_radix(&session, 16).map_err(|e| e.to_string())?,
+        peers,
+    })
 }
 
 /// Connects, retrying while the server is not up yet.
@@ -357,12 +405,12 @@ fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
 }
 
 /// The longest reply a joiner reads (the table of every rank).
-const MAX_REPLY_BYTES: usize = 64 << 20;
+pub(crate) const MAX_REPLY_BYTES: usize = 64 << 20;
 
 /// One message of at most `max` bytes, all of it by `deadline` (a deadline
 /// for the message, not for each read: a sender trickling a byte at a time
 /// cannot hold the reader longer).
-fn receive_by<T: for<'de> Deserialize<'de>>(
+pub(crate) fn receive_by<T: for<'de> Deserialize<'de>>(
     stream: &mut TcpStream,
     max: usize,
     deadline: Instant,
@@ -476,6 +524,51 @@ mod tests {
         assert_eq!(first.peers.len(), 2);
         assert_eq!((first.session, second.peers[1].rank), (second.session, 1));
         serving.join().unwrap().unwrap();
+    }
+
+    /// A job larger than the relay's fanout: the table reaches every rank,
+    /// most of them through other ranks, the same everywhere.
+    #[test]
+    fn the_table_reaches_every_rank_down_the_tree() {
+        let size = 3 * relay::FANOUT + 1;
+        let server = Server::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = server.local_addr();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let serving = server.spawn(Some(size), 9, deadline);
+        let joins: Vec<_> = (0..size)
+            .map(|r| std::thread::spawn(move || join(addr, 9, size, info(r), deadline)))
+            .collect();
+        let tables: Vec<Table> = joins
+            .into_iter()
+            .map(|j| j.join().unwrap().unwrap())
+            .collect();
+        for t in &tables {
+            assert_eq!(t.session, tables[0].session);
+            let ranks: Vec<Rank> = t.peers.iter().map(|p| p.rank).collect();
+            assert_eq!(ranks, (0..size).collect::<Vec<_>>());
+        }
+        serving.join().unwrap().unwrap();
+    }
+
+    /// The relay takes its table only from a connection with the session:
+    /// a stranger's, a wrong session's or a short table is ignored.
+    #[test]
+    fn the_relay_ignores_strangers() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let at = listener.local_addr().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut silent = TcpStream::connect(at).unwrap();
+        silent.write_all(&[9]).unwrap();
+        drop(silent);
+        let table = vec![info(0), info(1)];
+        relay::pass_on("bad", &table, &[at], deadline);
+        relay::pass_on("good", &table[..1], &[at], deadline);
+        relay::pass_on("good", &table, &[at], deadline);
+        let got = relay::await_table(&listener, "good", 0, 2, deadline).unwrap();
+        assert_eq!(got.len(), 2);
+        let soon = Instant::now() + Duration::from_millis(300);
+        let e = relay::await_table(&listener, "good", 0, 2, soon).unwrap_err();
+        assert!(e.contains("rank 0 never passed on"), "{e}");
     }
 
     #[test]

@@ -17,8 +17,9 @@ pub(crate) struct Ballot {
     pub(crate) proposal: Vec<Rank>,
     /// The current agreement's payload (a shrink's new addresses).
     pub(crate) payload: Option<Addresses>,
-    /// By agreement number - 1.
-    pub(crate) decided: Vec<Decision>,
+    /// By agreement number - 1: the answer "decided", serialized once (a
+    /// decision carries every member's payload, and every member asks).
+    decided: Vec<Vec<u8>>,
 }
 
 /// What an agreement decided: the failed ranks and every member's
@@ -44,18 +45,31 @@ pub enum Answer {
 }
 
 impl Ballot {
-    pub fn answer(&self, k: u32) -> Answer {
+    /// Records that agreement `k` (from 1) decided `d`.
+    pub(crate) fn decide(&mut self, k: u32, d: Decision) {
+        let at = (k as usize).saturating_sub(1);
+        if self.decided.len() <= at {
+            self.decided.resize(at + 1, Vec::new());
+        }
+        self.decided[at] = serde_json::to_vec(&Answer::Decided(d)).expect("an answer serializes");
+    }
+
+    /// What this rank says of agreement `k`, as it goes on the wire.
+    pub fn answer(&self, k: u32) -> Vec<u8> {
         let at = k as usize;
         if let Some(d) = at.checked_sub(1).and_then(|i| self.decided.get(i)) {
-            return Answer::Decided(d.clone());
+            if !d.is_empty() {
+                return d.clone();
+            }
         }
-        match k == self.current && k > 0 {
+        let answer = match k == self.current && k > 0 {
             true => Answer::Proposing {
                 failed: self.proposal.clone(),
                 payload: self.payload.clone(),
             },
             false => Answer::NotYet,
-        }
+        };
+        serde_json::to_vec(&answer).expect("an answer serializes")
     }
 }
 
@@ -66,11 +80,12 @@ mod tests {
     #[test]
     fn answers_follow_the_agreement_number() {
         let mut s = Ballot::default();
-        assert_eq!(s.answer(1), Answer::NotYet);
+        let read = |s: &Ballot, k| serde_json::from_slice::<Answer>(&s.answer(k)).unwrap();
+        assert_eq!(read(&s, 1), Answer::NotYet);
         s.current = 1;
         s.proposal = vec![2];
         assert_eq!(
-            s.answer(1),
+            read(&s, 1),
             Answer::Proposing {
                 failed: vec![2],
                 payload: None
@@ -80,10 +95,10 @@ mod tests {
             failed: vec![2, 3],
             payloads: vec![None; 4],
         };
-        s.decided = vec![d.clone()];
+        s.decide(1, d.clone());
         s.current = 2;
         s.proposal = vec![];
-        assert_eq!(s.answer(1), Answer::Decided(d));
-        assert_eq!(s.answer(3), Answer::NotYet);
+        assert_eq!(read(&s, 1), Answer::Decided(d));
+        assert_eq!(read(&s, 3), Answer::NotYet);
     }
 }

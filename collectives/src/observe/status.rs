@@ -369,7 +369,7 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
     if let Some(addr) = listening.get(&ip) {
         return Ok(*addr);
     }
-    let listener = TcpListener::bind((ip, 0))?;
+    let listener = crate::sys::listener::bind(SocketAddr::new(ip, 0))?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     std::thread::Builder::new()
@@ -544,14 +544,11 @@ fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
             serde_json::to_vec(&b.position())
         }
         (POSITION, Some(_)) => serde_json::to_vec(&Position::left()),
-        (_, Some(Some(b))) => {
-            let answer = b
-                .agreement
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .answer(k);
-            serde_json::to_vec(&answer)
-        }
+        (_, Some(Some(b))) => Ok(b
+            .agreement
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .answer(k)),
         (_, Some(None)) => serde_json::to_vec(&crate::observe::ballot::Answer::Left),
     };
     text.ok()
