@@ -348,7 +348,7 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
         panic!("rank 0's rendezvous never came up");
     };
     knock(b"GET / HTTP/1.0\r\n\r\n");
-    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"cores":2,"addresses":{},"settings":"transport=auto chunk=1048576"}}"#;
+    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"cores":2,"addresses":{},"settings":"transport=auto chunk=1048576"},"relay":"127.0.0.1:1"}"#;
     let mut msg = (other_job.len() as u32).to_le_bytes().to_vec();
     msg.extend_from_slice(other_job);
     knock(&msg);

@@ -226,6 +226,8 @@ Examples:
   collbench simulate allreduce --ranks 4096 --size 8,1M,256M
   collbench simulate alltoall --ranks 64 --ranks-per-host 8 -b 1K -e 64M --algo pairwise
   collbench simulate allreduce --ranks 512 --size 1G --link 100G --oversubscription 2 --json out.json
+  collbench simulate init --ranks 100000      (forming a job: rendezvous and relay tree)
+  collbench simulate shrink --ranks 10000     (agreeing on a lost rank, with new addresses)
 
 Each algorithm's schedules are those a communicator builds, run by the same
 executor (chunks, depth, staging slots), so what is predicted is what runs.
@@ -234,11 +236,17 @@ receive to be posted (over the network plus one latency, the clear-to-send),
 then for its host's NIC to be free, takes size / bandwidth on the wire and
 lands a latency later; a host's ranks share its NIC; shared memory is a port
 per rank; posting a message costs --overhead of the rank's CPU, reducing
-size / --reduce-bw. The selector's pick is marked '*', the fastest '<'.";
+size / --reduce-bw. The selector's pick is marked '*', the fastest '<'.
+
+init, agree and shrink predict the control plane instead (its model and
+measured CPU costs: collectives/src/simulate/control.rs): the rendezvous's
+relay tree, the agreement's coordinator and tree of askers, their rounds,
+messages and the most bytes one rank sends.";
 
 #[derive(Args, Debug, Clone)]
 pub struct SimArgs {
-    /// allreduce, alltoall, reducescatter, allgather, broadcast, reduce or barrier
+    /// allreduce, alltoall, reducescatter, allgather, broadcast, reduce or
+    /// barrier; or init, agree or shrink (forming a job, agreeing on a lost rank)
     pub collective: String,
 
     /// Ranks in the job

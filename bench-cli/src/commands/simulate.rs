@@ -75,6 +75,12 @@ pub fn with_huge_pages(a: &SimArgs) {
 }
 
 pub fn run(a: &SimArgs) -> Result<(), String> {
+    let kind = a.collective.to_ascii_lowercase();
+    if super::control::KINDS.contains(&kind.as_str()) {
+        let cluster = cluster(a);
+        cluster.validate()?;
+        return super::control::run(&kind, &cluster, a.json.as_deref());
+    }
     let collective = parse_collective(&a.collective)?;
     let cluster = cluster(a);
     cluster.validate()?;
@@ -203,7 +209,7 @@ fn parse_collective(name: &str) -> Result<Collective, String> {
         .filter(|c| *c != Collective::AllToAllV)
         .find(|c| c.name() == name.to_ascii_lowercase())
         .ok_or_else(|| {
-            format!("'{name}' is not a collective the simulator runs (allreduce, alltoall, reducescatter, allgather, broadcast, reduce, barrier)")
+            format!("'{name}' is not a collective the simulator runs (allreduce, alltoall, reducescatter, allgather, broadcast, reduce, barrier), nor init, agree or shrink")
         })
 }
 

@@ -9,8 +9,11 @@
 //! stopped one does not answer within 2 s. Each rank publishes a proposal
 //! (the ranks it believes failed) and, in rounds, asks for theirs: the
 //! lowest rank outside its proposal (the coordinator) asks every rank
-//! outside it, the others ask only the coordinator, so a round costs O(n)
-//! questions, not O(n^2). What an answer does:
+//! outside it; every other rank asks only its parent in a tree of the ranks
+//! outside its proposal, rooted at the coordinator, `FANOUT` children each.
+//! A round costs O(n) questions, not O(n^2); no status port is asked by
+//! more than the coordinator and `FANOUT` children; a proposal or decision
+//! reaches every rank in O(log n) rounds. What an answer does:
 //!
 //! * no answer (or the communicator is gone): that rank failed;
 //! * a proposal: add it to ours (proposals only grow);
@@ -23,9 +26,12 @@
 //! member's payload; the others adopt that. Two ranks cannot decide
 //! different sets: deciding P needs every other rank outside P to have
 //! proposed P (a rank that decided answers "decided", which is not a
-//! proposal), and a proposal that grew past P never goes back. If the
-//! coordinator dies, those that ask it find out and the next lowest rank
-//! takes over, asking everyone (and adopting a decision any of them holds).
+//! proposal), and a proposal that grew past P never goes back. A rank
+//! answers "decided" only with what it decided or adopted, so every
+//! decision comes from a coordinator, whichever parent passed it on. If the
+//! coordinator (or a parent) dies, those that ask it find out, count it
+//! failed, and ask their new parent; the next lowest rank takes over,
+//! asking everyone (and adopting a decision any of them holds).
 //! A rank that dies after others decided is simply a member of the result
 //! that will fail its next call (then agree again), as with ULFM.
 //!
@@ -85,18 +91,19 @@ pub(crate) fn agree(
     });
     let mut pause = Duration::from_millis(1);
     let decided = loop {
-        let coordinator = (0..n).find(|r| !failed.contains(r)).unwrap_or(me);
-        let leading = coordinator == me;
-        // The others all ask the coordinator, whose one status thread
-        // answers: they ask less often the more they are, so that their
-        // questions do not delay its answers past the 2 s that make it
-        // count as failed (512 ranks on 2 cores did).
-        let most = MOST_PAUSE * if leading { 1 } else { (n / 64).max(1) as u32 };
-        let asked: Vec<(Rank, Option<SocketAddr>)> = (0..n)
-            .filter(|r| *r != me && !failed.contains(r))
-            .filter(|r| leading || *r == coordinator)
-            .map(|r| (r, addresses[r]))
-            .collect();
+        let alive: Vec<Rank> = (0..n).filter(|r| !failed.contains(r)).collect();
+        let leading = alive.first() == Some(&me);
+        let asked: Vec<(Rank, Option<SocketAddr>)> = match leading {
+            true => alive
+                .iter()
+                .filter(|r| **r != me)
+                .map(|&r| (r, addresses[r]))
+                .collect(),
+            false => vec![parent(&alive, me)]
+                .into_iter()
+                .map(|r| (r, addresses[r]))
+                .collect(),
+        };
         let before = failed.clone();
         let (mut settled, mut adopted) = (true, None);
         for (r, answer) in ask_all(&asked, session, k, n) {
@@ -156,7 +163,7 @@ pub(crate) fn agree(
         // (a slow host, many ranks waiting for a late one) would delay the
         // answers themselves.
         std::thread::sleep(pause);
-        pause = (pause * 2).min(most);
+        pause = (pause * 2).min(MOST_PAUSE);
     };
     if decided.contains(&me) {
         return Err("the other ranks decided that this rank failed: it answered too late".into());
@@ -178,9 +185,21 @@ pub(crate) fn agree(
     Ok(Outcome { failed, payloads })
 }
 
-/// The longest pause between a coordinator's rounds; others pause up to
-/// this times every 64 ranks.
-const MOST_PAUSE: Duration = Duration::from_millis(50);
+/// The longest pause between rounds.
+pub const MOST_PAUSE: Duration = Duration::from_millis(50);
+/// Children per rank in the tree the non-coordinators ask along.
+pub const FANOUT: usize = 32;
+
+/// Whom `me` asks in a round when it does not coordinate: its parent in the
+/// `FANOUT`-ary tree over `alive` (the ranks outside its proposal, in
+/// order, `me` among them), whose root is the coordinator. A parent always
+/// has a lower rank, so questions never go round in a circle.
+pub fn parent(alive: &[Rank], me: Rank) -> Rank {
+    let at = alive
+        .binary_search(&me)
+        .expect("a rank is outside its own proposal");
+    alive[at.saturating_sub(1) / FANOUT]
+}
 
 /// Every rank's answer about agreement `k` among `n` (`None`: no answer in time).
 fn ask_all(
@@ -194,4 +213,26 @@ fn ask_all(
         .into_iter()
         .map(|(r, bytes)| (r, bytes.and_then(|b| serde_json::from_slice(&b).ok())))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_rank_reaches_the_coordinator_along_lower_ranks() {
+        let alive: Vec<Rank> = (0..1000).filter(|r| r % 7 != 3).collect();
+        let mut askers = vec![0usize; 1000];
+        for &r in &alive[1..] {
+            let (mut at, mut hops) = (r, 0);
+            askers[parent(&alive, r)] += 1;
+            while at != alive[0] {
+                let p = parent(&alive, at);
+                assert!(p < at);
+                (at, hops) = (p, hops + 1);
+            }
+            assert!(hops <= 4, "rank {r}: {hops} hops");
+        }
+        assert!(askers.iter().all(|a| *a <= FANOUT));
+    }
 }

@@ -33,7 +33,7 @@ use crate::observe::waiting::Waiting;
 /// How long a rank waits for the others' answers.
 pub const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// Questions asked at once (a thread each).
-const AT_ONCE: usize = 64;
+pub(crate) const AT_ONCE: usize = 64;
 /// What a question asks: where the rank is, or its state in an agreement
 /// ([`crate::fault::agree`]).
 pub(crate) const POSITION: &[u8; 4] = b"CSTQ";
@@ -611,6 +611,11 @@ pub(crate) fn ask_each(
     limit: u64,
 ) -> Vec<(Rank, Option<Vec<u8>>)> {
     let mut answers = Vec::with_capacity(ranks.len());
+    // One question (what most ranks of an agreement ask) needs no thread.
+    if let [(r, a)] = ranks {
+        answers.push((*r, a.and_then(|a| ask(a, question, ANSWER_WITHIN, limit))));
+        return answers;
+    }
     for batch in ranks.chunks(AT_ONCE) {
         std::thread::scope(|s| {
             let asked: Vec<_> = (batch.iter())

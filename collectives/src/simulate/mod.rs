@@ -12,6 +12,7 @@
 //! or the communicator; it runs the real algorithms and executor only.
 
 mod agenda;
+pub mod control;
 mod engine;
 mod model;
 
