@@ -629,15 +629,39 @@ pub(crate) fn ask_each(
     answers
 }
 
-/// Asks every rank of `addresses` (`None`: published none, or ourselves)
-/// where it is, at most [`AT_ONCE`] at a time, each within [`ANSWER_WITHIN`];
-/// `me` is this rank's own position. Returns the verdict.
+/// Up to this many ranks, a rank that times out asks every other where it
+/// is. Past it, it follows the chain of waits from its own (whom it waits
+/// for, whom that one waits for, ...), at most [`CHAIN_MOST`] questions:
+/// when a whole large job times out together that is O(n) questions, not
+/// O(n^2), and the chain ends at the rank at fault.
+const ASK_ALL_UP_TO: usize = 256;
+const CHAIN_MOST: usize = 64;
+
+/// Asks the other ranks of `addresses` (`None`: published none, or
+/// ourselves) where they are, every one or along the chain of waits (see
+/// [`ASK_ALL_UP_TO`]), each within [`ANSWER_WITHIN`]; `me` is this rank's
+/// own position. Returns the verdict.
 pub(crate) fn diagnose(
     me: Rank,
     mine: Position,
     addresses: &[Option<SocketAddr>],
     session: u128,
 ) -> String {
+    let q = question(POSITION, session, 0);
+    let states = match addresses.len() <= ASK_ALL_UP_TO {
+        true => ask_everyone(me, mine, addresses, &q),
+        false => follow_waits(me, mine, addresses, &q),
+    };
+    let silent = format!("did not answer within {} s", ANSWER_WITHIN.as_secs());
+    verdict(&states, &silent)
+}
+
+fn ask_everyone(
+    me: Rank,
+    mine: Position,
+    addresses: &[Option<SocketAddr>],
+    q: &[u8],
+) -> Vec<RankState> {
     let mut states: Vec<RankState> = (0..addresses.len())
         .map(|rank| RankState {
             rank,
@@ -649,11 +673,35 @@ pub(crate) fn diagnose(
         .filter(|(r, _)| *r != me)
         .map(|(r, a)| (r, *a))
         .collect();
-    for (r, answer) in ask_each(&others, &question(POSITION, session, 0), ANSWER_MAX) {
+    for (r, answer) in ask_each(&others, q, ANSWER_MAX) {
         states[r].position = answer.and_then(|a| parse_answer(&a));
     }
-    let silent = format!("did not answer within {} s", ANSWER_WITHIN.as_secs());
-    verdict(&states, &silent)
+    states
+}
+
+/// This rank, the rank it waits for, the rank that one waits for, ...
+/// until one is silent or waits for nobody new.
+fn follow_waits(
+    me: Rank,
+    mine: Position,
+    addresses: &[Option<SocketAddr>],
+    q: &[u8],
+) -> Vec<RankState> {
+    let mut next = mine.waiting_on;
+    let mut states = vec![RankState {
+        rank: me,
+        position: Some(mine),
+    }];
+    while let Some(r) = next.filter(|r| *r < addresses.len()) {
+        if states.len() > CHAIN_MOST || states.iter().any(|s| s.rank == r) {
+            break;
+        }
+        let answer = ask_each(&[(r, addresses[r])], q, ANSWER_MAX).pop();
+        let position = answer.and_then(|(_, a)| parse_answer(&a?));
+        next = position.as_ref().and_then(|p| p.waiting_on);
+        states.push(RankState { rank: r, position });
+    }
+    states
 }
 
 #[cfg(test)]
@@ -770,6 +818,39 @@ mod tests {
         assert_eq!(
             v,
             "rank 2 is the one the others wait for (rank(s) 0, 1 wait for it)"
+        );
+    }
+
+    /// Past ASK_ALL_UP_TO ranks, a timed-out rank asks along the chain of
+    /// waits only, and the chain's end is the verdict.
+    #[test]
+    fn a_large_job_follows_the_chain_of_waits() {
+        let addr = listen("127.0.0.1".parse().unwrap()).unwrap();
+        let board = Arc::new(Board::default());
+        let d = desc(Collective::AllReduce, 4);
+        board.call(&d, 2);
+        let w = |peer| Waiting {
+            peer,
+            send: false,
+            index: 1,
+            of: 2,
+            bytes: 8,
+        };
+        board.waiting(d.tag(), &w(7));
+        register(0xc4a1, &board);
+        // Rank 5 answers (waiting for 7); 7 and every other rank are silent.
+        let mut addresses = vec![None; ASK_ALL_UP_TO + 44];
+        addresses[5] = Some(addr);
+        let mine = Board::default();
+        mine.call(&d, 2);
+        mine.waiting(d.tag(), &w(5));
+        let q = question(POSITION, 0xc4a1, 0);
+        let asked = follow_waits(0, mine.position(), &addresses, &q);
+        assert_eq!(asked.iter().map(|s| s.rank).collect::<Vec<_>>(), [0, 5, 7]);
+        let v = diagnose(0, mine.position(), &addresses, 0xc4a1);
+        assert!(
+            v.starts_with("rank 7 did not answer") && v.contains("rank(s) 5 wait"),
+            "{v}"
         );
     }
 
