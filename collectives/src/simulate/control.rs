@@ -2,7 +2,7 @@
 //! (the rendezvous and its relay tree) and to agree on a failed rank (the
 //! agreement and a shrink), in rounds, messages and time. The plans are
 //! the library's own: the relay tree of [`crate::bootstrap::relay`], the
-//! agreement's tree of askers ([`crate::fault::agree::parent`]) and its
+//! agreement's tree of askers (`fault::agree::parent`) and its
 //! pauses, the status port's batches, and a real table entry's size.
 //!
 //! A control message is a TCP connection carrying JSON. What it costs:
@@ -170,9 +170,9 @@ fn fanout(rank: usize, n: usize) -> f64 {
 /// for a plain agreement); a decision carries all of them.
 ///
 /// The coordinator asks every survivor in batches of
-/// [`status::AT_ONCE`] threads and decides after one round (every answer
+/// `status::AT_ONCE` threads and decides after one round (every answer
 /// is its own proposal); the others ask their parent in the agreement's
-/// tree, pausing 1 ms, 2 ms, ... up to [`agree::MOST_PAUSE`] between
+/// tree, pausing 1 ms, 2 ms, ... up to `agree::MOST_PAUSE` between
 /// questions, and adopt the decision once their parent holds it.
 pub fn agreement(cluster: &Cluster, payload: f64) -> ControlPrediction {
     let n = cluster.ranks;
