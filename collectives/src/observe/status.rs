@@ -884,6 +884,37 @@ mod tests {
         line[8..].trim().parse().unwrap()
     }
 
+    /// Silent connections that keep coming, more than the port holds, do
+    /// not push out a question that came whole: it is answered as it is
+    /// accepted.
+    #[test]
+    fn a_question_is_answered_in_a_flood_past_what_the_port_holds() {
+        use std::sync::atomic::AtomicUsize;
+        let addr = listen("127.0.0.1".parse().unwrap()).unwrap();
+        let made = Arc::new(AtomicUsize::new(0));
+        let flooding = {
+            let made = made.clone();
+            std::thread::spawn(move || {
+                let mut held = Vec::new();
+                while held.len() < 3 * HOLD {
+                    held.extend(TcpStream::connect(addr).ok());
+                    made.store(held.len(), Ordering::Relaxed);
+                }
+            })
+        };
+        let (mut asked, mut answered) = (0, 0);
+        while asked < 5 || made.load(Ordering::Relaxed) < 3 * HOLD {
+            let a = ask(addr, &question(POSITION, 1, 0), ANSWER_WITHIN, ANSWER_MAX);
+            answered += usize::from(a.is_some_and(|a| parse_answer(&a).is_some()));
+            asked += 1;
+        }
+        flooding.join().unwrap();
+        assert_eq!(
+            answered, asked,
+            "answered {answered} of {asked} questions in a flood"
+        );
+    }
+
     /// A flood of silent and trickling connections takes no thread each,
     /// does not keep a real question from its answer, and is dropped at the
     /// question's deadline.
