@@ -911,6 +911,24 @@ impl Connection for ShmConnection {
     }
 }
 
+/// What a hostile peer can do with its side of a connection, for the tests
+/// that attack ([`super::hostile`]): publish any descriptor, and try to
+/// shrink the segment under the receiver.
+#[cfg(test)]
+impl ShmConnection {
+    pub(super) fn publish_raw(&mut self, desc: Desc) -> Result<()> {
+        let dir = self.out_dir();
+        self.seg.write_desc(dir, self.head, desc);
+        self.head += 1;
+        self.seg.head(dir).store(self.head, PUBLISH);
+        self.ring_peer()
+    }
+
+    pub(super) fn truncate_segment(&self) -> std::io::Result<()> {
+        rustix::fs::ftruncate(self.seg.fd(), 0).map_err(Into::into)
+    }
+}
+
 impl Drop for ShmConnection {
     fn drop(&mut self) {
         self.revoke_offers();

@@ -21,6 +21,8 @@
 
 mod connection;
 mod costs;
+#[cfg(test)]
+mod hostile;
 mod memfd;
 mod peer_maps;
 mod segment;
@@ -111,6 +113,29 @@ impl Transport for ShmTransport {
         hello: Hello,
         deadline: Instant,
     ) -> Result<Box<dyn Connection>> {
+        Ok(Box::new(self.dial(address, hello, deadline)?))
+    }
+
+    fn expect_peers(&self, peers: usize) {
+        (self.peers).fetch_max(peers, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
+        // Peers read our memory by address (or we copy it into the rings):
+        // nothing to pin. A range in a `SharedBuffer` carries where it lies,
+        // for the receivers of its sends to map (looked up once here, not
+        // per send).
+        Ok(match shared_buffer::region_of(addr as usize, len) {
+            Some(r) => MemRegion::new(addr, len, Box::new(r)),
+            None => MemRegion::plain(addr, len),
+        })
+    }
+}
+
+impl ShmTransport {
+    /// Connects to the listener at `address`: the segment is ours, made
+    /// before we call, and goes to the peer with our hello.
+    fn dial(&self, address: &[u8], hello: Hello, deadline: Instant) -> Result<ShmConnection> {
         let peer = Some(hello.to);
         let io = |what| move |e: std::io::Error| Error::io(peer, what, &e);
         let addr = SocketAddr::from_abstract_name(address).map_err(io("connect"))?;
@@ -156,29 +181,7 @@ impl Transport for ShmTransport {
             .map_err(io("finish the handshake"))?;
         let remote_reads = we_read_them && they_read_us;
         log_mode(hello.to, remote_reads);
-        Ok(Box::new(ShmConnection::new(
-            seg,
-            ctl,
-            hello.to,
-            pid,
-            0,
-            remote_reads,
-        )?))
-    }
-
-    fn expect_peers(&self, peers: usize) {
-        (self.peers).fetch_max(peers, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    fn register(&self, addr: *const u8, len: usize) -> Result<MemRegion> {
-        // Peers read our memory by address (or we copy it into the rings):
-        // nothing to pin. A range in a `SharedBuffer` carries where it lies,
-        // for the receivers of its sends to map (looked up once here, not
-        // per send).
-        Ok(match shared_buffer::region_of(addr as usize, len) {
-            Some(r) => MemRegion::new(addr, len, Box::new(r)),
-            None => MemRegion::plain(addr, len),
-        })
+        ShmConnection::new(seg, ctl, hello.to, pid, 0, remote_reads)
     }
 }
 
