@@ -98,6 +98,27 @@ impl Cts {
     }
 }
 
+/// How far past our oldest unfinished send a grant may be: more than any
+/// caller keeps in flight, and a bound on the grants a peer can make us hold.
+const GRANTS_AHEAD: u32 = 1 << 16;
+
+/// Keeps a peer's grant for a send of ours, if it could be one: a grant
+/// for a send already finished, one twice for the same send, or one far
+/// ahead is a peer not following the protocol (a hostile one could make us
+/// hold grants without end).
+fn keep_grant(grants: &mut Vec<Cts>, grant: Cts, send_base: u32, peer: Rank) -> Result<()> {
+    let ahead = grant.seq.wrapping_sub(send_base);
+    if ahead >= GRANTS_AHEAD || grants.iter().any(|g| g.seq == grant.seq) {
+        return Err(Error::Invalid(format!(
+            "peer rank {peer} granted a receive for our send {} (our oldest unfinished is {send_base}): \
+             twice, or not one we can have posted",
+            grant.seq
+        )));
+    }
+    grants.push(grant);
+    Ok(())
+}
+
 /// A posted send: what to write where its grant says.
 struct Outgoing {
     addr: u64,
@@ -634,7 +655,8 @@ impl VerbsConnection {
                 } else {
                     let at = slot * SLOT_BYTES;
                     let bytes: &[u8] = &bytemuck_bytes(&self.slots)[at..at + CTS_LEN];
-                    self.grants.push(Cts::decode(bytes));
+                    let grant = Cts::decode(bytes);
+                    keep_grant(&mut self.grants, grant, self.send_base, self.peer)?;
                 }
                 self.post_slot(slot)?;
             }
@@ -970,5 +992,33 @@ impl Connection for VerbsConnection {
                 reason: reason.to_string(),
             });
         }
+    }
+}
+
+#[cfg(test)]
+mod grant_checks {
+    use super::*;
+
+    fn grant(seq: u32) -> Cts {
+        Cts {
+            tag: 7,
+            addr: 0,
+            len: 8,
+            rkey: 1,
+            seq,
+        }
+    }
+
+    #[test]
+    fn a_grant_twice_behind_or_far_ahead_is_refused() {
+        let mut grants = Vec::new();
+        let base = u32::MAX - 2; // sequence numbers wrap
+        keep_grant(&mut grants, grant(base), base, 3).unwrap();
+        keep_grant(&mut grants, grant(base.wrapping_add(5)), base, 3).unwrap();
+        let twice = keep_grant(&mut grants, grant(base), base, 3).unwrap_err();
+        assert!(twice.to_string().contains("peer rank 3"), "{twice}");
+        assert!(keep_grant(&mut grants, grant(base - 1), base, 3).is_err());
+        assert!(keep_grant(&mut grants, grant(base.wrapping_add(GRANTS_AHEAD)), base, 3).is_err());
+        assert_eq!(grants.len(), 2);
     }
 }
