@@ -348,7 +348,8 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
         panic!("rank 0's rendezvous never came up");
     };
     knock(b"GET / HTTP/1.0\r\n\r\n");
-    let other_job = br#"{"job":"0000000000000000000000000000dead","size":2,"info":{"rank":1,"hostname":"x","host_id":"x","pid":1,"cores":2,"addresses":{},"settings":"transport=auto chunk=1048576"},"relay":"127.0.0.1:1"}"#;
+    // A join of the right shape whose proof is not under this job's token.
+    let other_job = br#"{"proof":"00112233445566778899aabbccddeeff","body":"{\"size\":2,\"info\":{\"rank\":1,\"hostname\":\"x\",\"host_id\":\"x\",\"pid\":1,\"cores\":2,\"addresses\":{},\"settings\":\"transport=auto chunk=1048576\"},\"relay\":\"127.0.0.1:1\",\"nonce\":\"00\"}"}"#;
     let mut msg = (other_job.len() as u32).to_le_bytes().to_vec();
     msg.extend_from_slice(other_job);
     knock(&msg);
@@ -360,7 +361,12 @@ fn strangers_at_the_rendezvous_are_refused_and_the_job_goes_on() {
         r0.stderr,
         r1.stderr
     );
-    assert!(r0.stderr.contains("from another job"), "{}", r0.stderr);
+    assert!(
+        r0.stderr
+            .contains("a joiner as rank 1 did not prove this job's token"),
+        "{}",
+        r0.stderr
+    );
     assert!(
         r0.stderr.contains("rendezvous ignored a connection"),
         "{}",

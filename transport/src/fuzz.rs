@@ -16,13 +16,15 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(1024))]
 
     #[test]
-    fn any_hello_ack_or_header_decodes_or_is_refused(bytes in prop::array::uniform32(any::<u8>()), channel in any::<u8>()) {
-        let mut hello = [0u8; wire::HELLO_LEN];
-        hello[..32].copy_from_slice(&bytes);
-        hello[32] = channel;
-        let _ = wire::decode_hello(&hello);
-        let _ = wire::decode_ack(bytes[..8].try_into().unwrap());
-        if let Some(Frame::Abort { reason_len }) = wire::decode_header(&bytes) {
+    fn any_hello_ack_or_header_decodes_or_is_refused(bytes in prop::collection::vec(any::<u8>(), wire::HELLO_LEN), token in any::<u128>()) {
+        let hello: [u8; wire::HELLO_LEN] = bytes[..].try_into().unwrap();
+        if let Ok(heard) = wire::decode_hello(&hello) {
+            // Bytes nobody made with the token prove nothing.
+            prop_assert!(wire::accept_hello(&heard, token, heard.to, &mut Default::default()).is_err());
+        }
+        let nonce = crate::proof::nonce();
+        prop_assert_eq!(wire::decode_ack(bytes[..wire::ACK_LEN].try_into().unwrap(), token, &nonce), None);
+        if let Some(Frame::Abort { reason_len }) = wire::decode_header(bytes[..HEADER_LEN].try_into().unwrap()) {
             prop_assert!(reason_len <= wire::MAX_REASON_LEN);
         }
     }
@@ -31,7 +33,10 @@ proptest! {
     fn hellos_and_headers_round_trip(token in any::<u128>(), from in 0usize..1 << 20, to in 0usize..1 << 20,
                                      channel in any::<u8>(), tag in any::<u128>(), len in 0usize..1 << 48) {
         let h = Hello { token, from, to, channel };
-        prop_assert_eq!(wire::decode_hello(&wire::encode_hello(&h)), Ok(h));
+        let (bytes, nonce) = wire::encode_hello(&h);
+        let heard = wire::decode_hello(&bytes).unwrap();
+        prop_assert_eq!(wire::accept_hello(&heard, token, to, &mut Default::default()), Ok(h));
+        prop_assert_eq!(wire::decode_ack(&wire::encode_ack(to, token, &nonce), token, &nonce), Some(to));
         let f = Frame::Data { tag, len, seq: len as u32 ^ from as u32 };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(f)), Some(f));
         let bye = Frame::Bye { received: len as u32 };

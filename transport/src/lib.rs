@@ -71,6 +71,7 @@ mod error;
 mod fuzz;
 mod memory;
 mod poller;
+pub mod proof;
 pub mod tcp;
 mod two_ways;
 mod wire;

@@ -4,9 +4,10 @@
 //! rank has it after `hops(n)` = about log_FANOUT(n) hand-overs: the hub's
 //! part is n small joins in and `FANOUT` tables out, not n tables out.
 //!
-//! A rank learns from the rendezvous who its parent is, the session token,
-//! and where its children listen; a table is taken only from a connection
-//! that presents that session (a stranger who finds the port is ignored).
+//! A rank learns from the rendezvous who its parent is, the session token
+//! (by a nonce it derives it from), and where its children listen; a table
+//! is taken only with a proof under that session (a MAC, the session itself
+//! never on the wire): a stranger who finds the port is ignored.
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use transport::Rank;
 
-use super::rendezvous::{receive_by, PeerInfo, MAX_REPLY_BYTES};
+use super::rendezvous::{receive_by, to_hex, PeerInfo, MAX_REPLY_BYTES};
 
 /// Children per rank in the tree.
 pub const FANOUT: usize = 8;
@@ -45,18 +46,27 @@ pub fn hops(size: usize) -> usize {
     hops
 }
 
-/// The table as it travels from a parent to a child.
+/// The table as it travels from a parent to a child: its JSON, and the
+/// MAC of it under the session.
 #[derive(Serialize, Deserialize)]
 pub(crate) struct Relay {
-    session: String,
-    peers: Vec<PeerInfo>,
+    proof: String,
+    table: String,
+}
+
+fn prove(session: u128, table: &str) -> String {
+    to_hex(&transport::proof::mac(
+        session,
+        "relay",
+        &[table.as_bytes()],
+    ))
 }
 
 /// Waits on `listener` for the table from rank `parent`: the first
 /// connection that presents `session` and a whole table of `size` ranks.
 pub(crate) fn await_table(
     listener: &TcpListener,
-    session: &str,
+    session: u128,
     parent: Rank,
     size: usize,
     deadline: Instant,
@@ -70,10 +80,13 @@ pub(crate) fn await_table(
         let _ = stream.set_nonblocking(false);
         let by = deadline.min(Instant::now() + RELAY_WITHIN);
         let problem = match receive_by::<Relay>(&mut stream, MAX_REPLY_BYTES, by) {
-            Ok(r) if r.session != session => "a table of another session".to_string(),
-            Ok(r) => match check(&r.peers, size) {
-                Ok(()) => return Ok(r.peers),
-                Err(e) => e,
+            Ok(r) if r.proof != prove(session, &r.table) => "no proof of this session".to_string(),
+            Ok(r) => match serde_json::from_str::<Vec<PeerInfo>>(&r.table) {
+                Ok(peers) => match check(&peers, size) {
+                    Ok(()) => return Ok(peers),
+                    Err(e) => e,
+                },
+                Err(e) => e.to_string(),
             },
             Err(e) => e.to_string(),
         };
@@ -99,13 +112,14 @@ pub(crate) fn check(peers: &[PeerInfo], size: usize) -> Result<(), String> {
 
 /// Sends the table to each child's relay listener, all at once; a child
 /// that cannot be reached is logged (its subtree times out naming us).
-pub(crate) fn pass_on(session: &str, peers: &[PeerInfo], to: &[SocketAddr], deadline: Instant) {
+pub(crate) fn pass_on(session: u128, peers: &[PeerInfo], to: &[SocketAddr], deadline: Instant) {
     if to.is_empty() {
         return;
     }
+    let table = serde_json::to_string(peers).expect("a table serializes");
     let relay = Relay {
-        session: session.to_string(),
-        peers: peers.to_vec(),
+        proof: prove(session, &table),
+        table,
     };
     let body = serde_json::to_vec(&relay).expect("a table serializes");
     std::thread::scope(|s| {

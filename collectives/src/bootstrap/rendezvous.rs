@@ -50,32 +50,66 @@ impl PeerInfo {
     }
 }
 
+/// What the rendezvous sends first on every connection: the nonce a join
+/// must prove the job's token with.
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct Challenge {
+    nonce: String,
+}
+
+/// A join: its body (JSON of [`JoinBody`], the exact bytes proved) and the
+/// proof, a MAC under the job's token of the challenge and the body: the
+/// token itself never goes on the wire ([`transport::proof`]).
 #[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Join {
-    job: String,
+    proof: String,
+    body: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub(crate) struct JoinBody {
     size: usize,
     info: PeerInfo,
     /// Where this rank accepts the table from its parent in the relay tree.
     relay: SocketAddr,
+    /// The joiner's nonce, which the rendezvous's answer proves.
+    nonce: String,
 }
 
 #[derive(Serialize, Deserialize)]
 pub(crate) enum Reply {
+    /// JSON of a [`Welcome`], proved under the job's token with the
+    /// joiner's nonce: only the rendezvous of this job can answer.
+    Proved {
+        proof: String,
+        body: String,
+    },
+    Refused {
+        reason: String,
+    },
+}
+
+/// What a member learns at the rendezvous. The session token is not in it:
+/// each member derives it from the job's token and `session_nonce`.
+#[derive(Serialize, Deserialize)]
+pub(crate) enum Welcome {
     /// The table itself, to the first ranks of the relay tree.
-    Welcome {
-        session: String,
+    Table {
+        session_nonce: String,
         peers: Vec<PeerInfo>,
         children: Vec<SocketAddr>,
     },
     /// The table comes from rank `parent`; pass it on to `children`.
     Relayed {
-        session: String,
+        session_nonce: String,
         parent: Rank,
         children: Vec<SocketAddr>,
     },
-    Refused {
-        reason: String,
-    },
+}
+
+/// The session token of a job of token `job` whose rendezvous chose `nonce`.
+fn session_of(job: u128, nonce: &str) -> u128 {
+    u128::from_le_bytes(transport::proof::mac(job, "session", &[nonce.as_bytes()]))
 }
 
 /// What every rank learns at the rendezvous.
@@ -143,18 +177,17 @@ impl Server {
     }
 
     fn serve(self, size: Option<usize>, job: u128, deadline: Instant) -> Result<(), String> {
-        let (tx, rx) = mpsc::channel::<(TcpStream, Join)>();
+        let (tx, rx) = mpsc::channel::<(TcpStream, Join, String)>();
         self.listener
             .set_nonblocking(true)
             .map_err(|e| e.to_string())?;
         let readers = Arc::new(AtomicUsize::new(0));
         // By rank: memory grows with the ranks that joined, never with what
         // a joiner claims the size is.
-        let mut joined: BTreeMap<Rank, (TcpStream, Join)> = BTreeMap::new();
+        let mut joined: BTreeMap<Rank, (TcpStream, JoinBody)> = BTreeMap::new();
         let mut size = size;
         // Joins refused (their senders were told why), for the timeout's error.
         let mut refused: Vec<String> = Vec::new();
-        let job_hex = format!("{job:032x}");
         while size != Some(joined.len()) {
             if Instant::now() >= deadline {
                 let reason = self.timed_out(size, &joined, &refused);
@@ -162,15 +195,16 @@ impl Server {
                 return Err(reason);
             }
             self.accept_pending(&tx, &readers);
-            let (mut stream, j) = match rx.recv_timeout(Duration::from_millis(20)) {
+            let (mut stream, join, challenge) = match rx.recv_timeout(Duration::from_millis(20)) {
                 Ok(joiner) => joiner,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => unreachable!("we hold a sender"),
             };
             // A bad join is refused alone: whoever sent it cannot end the job.
-            let problem = match j.job == job_hex {
-                false => Some(format!("rank {} is from another job", j.info.rank)),
-                true => bad_join(&j, size, &joined),
+            let j = proved_join(&join, job, &challenge);
+            let problem = match &j {
+                Err(e) => Some(e.clone()),
+                Ok(j) => bad_join(j, size, &joined),
             };
             if let Some(reason) = problem {
                 tracing::warn!("rendezvous refused a join: {reason}");
@@ -185,11 +219,12 @@ impl Server {
                 }
                 continue;
             }
+            let j = j.expect("refused above");
             tracing::debug!(rank = j.info.rank, host = %j.info.hostname, "joined the rendezvous");
             size.get_or_insert(j.size);
             joined.insert(j.info.rank, (stream, j));
         }
-        answer(joined);
+        answer(joined, job);
         Ok(())
     }
 
@@ -197,7 +232,7 @@ impl Server {
     fn timed_out(
         &self,
         size: Option<usize>,
-        joined: &BTreeMap<Rank, (TcpStream, Join)>,
+        joined: &BTreeMap<Rank, (TcpStream, JoinBody)>,
         refused: &[String],
     ) -> String {
         let size = size.unwrap_or(0);
@@ -223,7 +258,11 @@ impl Server {
     /// so a silent or trickling stranger holds up nobody and a flood of them
     /// costs a bounded number of threads. Past that many, connections wait
     /// in the listener's backlog: a flood delays a join, never drops it.
-    fn accept_pending(&self, tx: &mpsc::Sender<(TcpStream, Join)>, readers: &Arc<AtomicUsize>) {
+    fn accept_pending(
+        &self,
+        tx: &mpsc::Sender<(TcpStream, Join, String)>,
+        readers: &Arc<AtomicUsize>,
+    ) {
         // Only this thread adds readers: the count cannot pass the cap.
         while readers.load(Ordering::SeqCst) < MAX_READERS {
             let Ok((mut stream, from)) = self.listener.accept() else {
@@ -234,10 +273,16 @@ impl Server {
             std::thread::spawn(move || {
                 let _ = stream.set_nonblocking(false);
                 let within = Instant::now() + JOIN_WITHIN;
-                match receive_by::<Join>(&mut stream, MAX_JOIN_BYTES, within) {
+                let challenge = Challenge {
+                    nonce: to_hex(&transport::proof::nonce()),
+                };
+                let _ = stream.set_write_timeout(Some(JOIN_WITHIN));
+                let joined = send(&mut stream, &challenge)
+                    .and_then(|_| receive_by::<Join>(&mut stream, MAX_JOIN_BYTES, within));
+                match joined {
                     Ok(j) => {
                         let _ = stream.set_read_timeout(None);
-                        let _ = tx.send((stream, j));
+                        let _ = tx.send((stream, j, challenge.nonce));
                     }
                     Err(e) => tracing::warn!(%from, "rendezvous ignored a connection: {e}"),
                 }
@@ -250,25 +295,31 @@ impl Server {
 /// Answers every rank of a whole job (`joined` holds ranks `0..n`): the
 /// table to the relay tree's first ranks, its parent to every other, first
 /// to those that start the relay.
-fn answer(mut joined: BTreeMap<Rank, (TcpStream, Join)>) {
+fn answer(mut joined: BTreeMap<Rank, (TcpStream, JoinBody)>, job: u128) {
     let size = joined.len();
     let peers: Vec<PeerInfo> = joined.values().map(|(_, j)| j.info.clone()).collect();
     let relays: Vec<SocketAddr> = joined.values().map(|(_, j)| j.relay).collect();
-    let session = format!("{:032x}", super::random_token());
-    for (&rank, (stream, _)) in joined.iter_mut() {
+    let session_nonce = to_hex(&transport::proof::nonce());
+    for (&rank, (stream, j)) in joined.iter_mut() {
         let children = relay::children(rank, size).map(|c| relays[c]).collect();
-        let session = session.clone();
-        let reply = match relay::parent(rank) {
-            None => Reply::Welcome {
-                session,
+        let session_nonce = session_nonce.clone();
+        let welcome = match relay::parent(rank) {
+            None => Welcome::Table {
+                session_nonce,
                 peers: peers.clone(),
                 children,
             },
-            Some(parent) => Reply::Relayed {
-                session,
+            Some(parent) => Welcome::Relayed {
+                session_nonce,
                 parent,
                 children,
             },
+        };
+        let body = serde_json::to_string(&welcome).expect("a welcome serializes");
+        let proof = transport::proof::mac(job, "welcome", &[j.nonce.as_bytes(), body.as_bytes()]);
+        let reply = Reply::Proved {
+            proof: to_hex(&proof),
+            body,
         };
         if let Err(e) = send(stream, &reply) {
             tracing::warn!(rank, "could not answer at the rendezvous: {e}");
@@ -276,11 +327,26 @@ fn answer(mut joined: BTreeMap<Rank, (TcpStream, Join)>) {
     }
 }
 
+/// The body of a join proved under the job's token `job` with the
+/// rendezvous's `challenge`, or why it is refused.
+fn proved_join(j: &Join, job: u128, challenge: &str) -> Result<JoinBody, String> {
+    let proof = from_hex(&j.proof).unwrap_or_default();
+    let proved = [challenge.as_bytes(), j.body.as_bytes()];
+    if !transport::proof::verify(job, "join", &proved, &proof) {
+        let rank = serde_json::from_str::<JoinBody>(&j.body).map(|b| b.info.rank);
+        let who = rank.map_or("a joiner".into(), |r| format!("a joiner as rank {r}"));
+        return Err(format!(
+            "{who} did not prove this job's token (another job, or a stranger)"
+        ));
+    }
+    serde_json::from_str(&j.body).map_err(|e| format!("a join that does not parse: {e}"))
+}
+
 /// Why a join of this job cannot be taken, if it cannot.
 fn bad_join(
-    j: &Join,
+    j: &JoinBody,
     size: Option<usize>,
-    joined: &BTreeMap<Rank, (TcpStream, Join)>,
+    joined: &BTreeMap<Rank, (TcpStream, JoinBody)>,
 ) -> Option<String> {
     let rank = j.info.rank;
     if !(1..=MAX_RANKS).contains(&j.size) {
@@ -305,7 +371,7 @@ fn bad_join(
     ))
 }
 
-fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, Join)>, reason: &str) {
+fn refuse_all<'a>(joined: impl Iterator<Item = &'a mut (TcpStream, JoinBody)>, reason: &str) {
     for (stream, _) in joined {
         let _ = send(
             stream,
@@ -330,21 +396,31 @@ pub fn join(
     // Listen where the rendezvous reached us: our parent can reach us there.
     let ip = stream.local_addr().map_err(at)?.ip();
     let listener = crate::sys::listener::bind(SocketAddr::new(ip, 0)).map_err(at)?;
-    let request = Join {
-        job: format!("{job:032x}"),
+    let late = deadline + Duration::from_secs(2);
+    let challenge: Challenge = receive_by(&mut stream, MAX_CHALLENGE_BYTES, late).map_err(at)?;
+    let nonce = to_hex(&transport::proof::nonce());
+    let body = JoinBody {
         size,
         info: me,
         relay: listener.local_addr().map_err(at)?,
+        nonce: nonce.clone(),
+    };
+    let body = serde_json::to_string(&body).map_err(|e| e.to_string())?;
+    let proved = [challenge.nonce.as_bytes(), body.as_bytes()];
+    let request = Join {
+        proof: to_hex(&transport::proof::mac(job, "join", &proved)),
+        body,
     };
     send(&mut stream, &request).map_err(at)?;
     // Wait a little past our own deadline: the rendezvous gives up at its
     // own, and only its answer can say which ranks never came.
-    let late = deadline + Duration::from_secs(2);
-    let (session, peers, children) = match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, late) {
-        Ok(Reply::Welcome { session, peers, children }) => (session, peers, children),
-        Ok(Reply::Relayed { session, parent, children }) => {
-            let peers = relay::await_table(&listener, &session, parent, size, late)?;
-            (session, peers, children)
+    let welcome = match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, late) {
+        Ok(Reply::Proved { proof, body }) => {
+            let proof = from_hex(&proof).unwrap_or_default();
+            if !transport::proof::verify(job, "welcome", &[nonce.as_bytes(), body.as_bytes()], &proof) {
+                return Err(format!("the rendezvous at {addr} did not prove it holds this job's token (another job's, or a stranger's)"));
+            }
+            serde_json::from_str::<Welcome>(&body).map_err(|e| format!("rendezvous at {addr}: {e}"))?
         }
         Ok(Reply::Refused { reason }) => return Err(format!("the rendezvous at {addr} refused the job: {reason}")),
         Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => return Err(format!(
@@ -352,12 +428,25 @@ pub fn join(
         )),
         Err(e) => return Err(at(e)),
     };
+    let (session, peers, children) = match welcome {
+        Welcome::Table {
+            session_nonce,
+            peers,
+            children,
+        } => (session_of(job, &session_nonce), peers, children),
+        Welcome::Relayed {
+            session_nonce,
+            parent,
+            children,
+        } => {
+            let session = session_of(job, &session_nonce);
+            let peers = relay::await_table(&listener, session, parent, size, late)?;
+            (session, peers, children)
+        }
+    };
     relay::check(&peers, size).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
-    relay::pass_on(&session, &peers, &children, late);
-    Ok(Table {
-        session: u128::from_str_radix(&session, 16).map_err(|e| e.to_string())?,
-        peers,
-    })
+    relay::pass_on(session, &peers, &children, late);
+    Ok(Table { session, peers })
 }
 
 /// Connects, retrying while the server is not up yet.
@@ -404,6 +493,8 @@ fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
     stream.write_all(&body)
 }
 
+/// The longest challenge a joiner reads.
+const MAX_CHALLENGE_BYTES: usize = 256;
 /// The longest reply a joiner reads (the table of every rank).
 pub(crate) const MAX_REPLY_BYTES: usize = 64 << 20;
 
@@ -512,7 +603,7 @@ mod tests {
         let bad = |job: u128, size: usize, rank: Rank| {
             join(addr, job, size, info(rank), deadline).unwrap_err()
         };
-        assert!(bad(8, 2, 0).contains("from another job"));
+        assert!(bad(8, 2, 0).contains("did not prove this job's token"));
         assert!(bad(7, 1 << 50, 0).contains("not between 1 and"));
         assert!(bad(7, 3, 0).contains("but the job has 2 ranks"));
         assert!(bad(7, 2, 5).contains("is not below"));
@@ -561,13 +652,14 @@ mod tests {
         silent.write_all(&[9]).unwrap();
         drop(silent);
         let table = vec![info(0), info(1)];
-        relay::pass_on("bad", &table, &[at], deadline);
-        relay::pass_on("good", &table[..1], &[at], deadline);
-        relay::pass_on("good", &table, &[at], deadline);
-        let got = relay::await_table(&listener, "good", 0, 2, deadline).unwrap();
+        let (bad, good) = (5, 6);
+        relay::pass_on(bad, &table, &[at], deadline);
+        relay::pass_on(good, &table[..1], &[at], deadline);
+        relay::pass_on(good, &table, &[at], deadline);
+        let got = relay::await_table(&listener, good, 0, 2, deadline).unwrap();
         assert_eq!(got.len(), 2);
         let soon = Instant::now() + Duration::from_millis(300);
-        let e = relay::await_table(&listener, "good", 0, 2, soon).unwrap_err();
+        let e = relay::await_table(&listener, good, 0, 2, soon).unwrap_err();
         assert!(e.contains("rank 0 never passed on"), "{e}");
     }
 

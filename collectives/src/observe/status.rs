@@ -520,7 +520,15 @@ pub(crate) fn retire(board: &Arc<Board>) {
     }
 }
 
+/// What names a communicator in status questions: derived from its
+/// session token, which never goes on the wire (knowing this id lets one
+/// ask where ranks are, nothing more).
+fn status_id(session: u128) -> u128 {
+    u128::from_le_bytes(transport::proof::mac(session, "status", &[]))
+}
+
 pub(crate) fn register(session: u128, board: &Arc<Board>) {
+    let session = status_id(session);
     let mut boards = responders().boards.lock().unwrap();
     // Dropped communicators stay known (a few bytes each) so that their
     // members read as gone, not as not there yet; forgotten past a bound.
@@ -533,7 +541,7 @@ pub(crate) fn register(session: u128, board: &Arc<Board>) {
 /// The answer to a question, if it is one.
 fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
     let (kind, session, k) = parse_question(q)?;
-    // The token is checked by the map: a stranger's reads as unknown.
+    // The id is checked by the map: a stranger's reads as unknown.
     let known = responders().boards.lock().unwrap().get(&session).cloned();
     let board = known.as_ref().map(|b| b.upgrade());
     let text = match (kind, board) {
@@ -558,12 +566,12 @@ fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
 pub(crate) fn question(kind: &[u8; 4], session: u128, k: u32) -> [u8; QUESTION_LEN] {
     let mut q = [0u8; QUESTION_LEN];
     q[..4].copy_from_slice(kind);
-    q[4..20].copy_from_slice(&session.to_le_bytes());
+    q[4..20].copy_from_slice(&status_id(session).to_le_bytes());
     q[20..].copy_from_slice(&k.to_le_bytes());
     q
 }
 
-/// A question's kind, session token and agreement number, if it is one.
+/// A question's kind, communicator id (see `status_id`) and agreement number, if it is one.
 pub fn parse_question(q: &[u8]) -> Option<(&'static [u8; 4], u128, u32)> {
     let q: &[u8; QUESTION_LEN] = q.try_into().ok()?;
     let kind = [POSITION, AGREEMENT]

@@ -104,6 +104,7 @@ impl Transport for ShmTransport {
             listener,
             name,
             options: self.options,
+            replays: Default::default(),
         }))
     }
 
@@ -156,7 +157,8 @@ impl ShmTransport {
             .map_err(|e| Error::Invalid(format!("peer rank {}: {e}", hello.to)))?;
         set_timeouts(&ctl, deadline).map_err(io("connect"))?;
         // hello, our pid and probe address, with the segment's fd attached.
-        let mut msg = wire::encode_hello(&hello).to_vec();
+        let (greeting, nonce) = wire::encode_hello(&hello);
+        let mut msg = greeting.to_vec();
         msg.extend_from_slice(&std::process::id().to_le_bytes());
         msg.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
         send_with_fd(&ctl, &msg, seg.fd()).map_err(io("send hello"))?;
@@ -169,9 +171,10 @@ impl ShmTransport {
             )),
             _ => Error::io(peer, "wait for hello acknowledgement", &e),
         })?;
-        if wire::decode_ack(reply[..ACK_LEN].try_into().unwrap()) != Some(hello.to) {
+        let ack = reply[..ACK_LEN].try_into().unwrap();
+        if wire::decode_ack(ack, hello.token, &nonce) != Some(hello.to) {
             return Err(Error::Invalid(format!(
-                "expected peer rank {} at its shared-memory address",
+                "expected peer rank {} at its shared-memory address, holding this job's token",
                 hello.to
             )));
         }
@@ -194,6 +197,7 @@ pub struct ShmListener {
     listener: UnixListener,
     name: String,
     options: ShmOptions,
+    replays: crate::proof::Replays,
 }
 
 impl Listener for ShmListener {
@@ -209,7 +213,7 @@ impl Listener for ShmListener {
     ) -> Result<(Hello, Box<dyn Connection>)> {
         loop {
             let ctl = self.accept_one(deadline)?;
-            match handshake(ctl, token, me, self.options) {
+            match handshake(ctl, token, me, self.options, &mut self.replays) {
                 Ok(accepted) => return Ok(accepted),
                 Err(why) => tracing::warn!("refused a shared-memory connection: {why}"),
             }
@@ -256,6 +260,7 @@ fn handshake(
     token: u128,
     me: Rank,
     options: ShmOptions,
+    replays: &mut crate::proof::Replays,
 ) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
     // Another user's process learns nothing and maps nothing of ours.
     let pid = peer_of_this_user(&ctl)?;
@@ -265,17 +270,15 @@ fn handshake(
     set_timeouts(&ctl, Instant::now() + HELLO_WITHIN).map_err(|e| e.to_string())?;
     let mut msg = [0u8; HELLO_LEN + 4 + 8];
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
-    let hello = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
+    let heard = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
         .map_err(|e| format!("bad hello: {e:?}"))?;
-    if let Some(why) = wire::refuse_hello(&hello, token, me) {
-        return Err(why);
-    }
+    let hello = wire::accept_hello(&heard, token, me, replays)?;
     set_timeouts(&ctl, crate::handshake_deadline(Instant::now())).map_err(|e| e.to_string())?;
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment of rank {}: {e}", hello.from))?;
     let (_, probe, _) = parse_identity(&msg[HELLO_LEN..]);
     let we_read_them = options.single_copy && probe_remote(pid, probe);
-    let mut reply = wire::encode_ack(me).to_vec();
+    let mut reply = wire::encode_ack(me, token, &heard.nonce).to_vec();
     reply.extend_from_slice(&std::process::id().to_le_bytes());
     reply.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
     reply.push(we_read_them as u8);

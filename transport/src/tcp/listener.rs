@@ -8,6 +8,7 @@ use rustix::event::{poll, PollFd, PollFlags, Timespec};
 use socket2::{Domain, Socket, Type};
 
 use super::{configure, TcpConnection, TcpOptions};
+use crate::proof::Replays;
 use crate::wire::{self, BadHello, HELLO_LEN};
 use crate::{Connection, Error, Hello, Listener, Rank, Result};
 
@@ -22,6 +23,7 @@ pub struct TcpListener {
     greeting: Vec<Greeting>,
     /// Connections whose first stream is accepted and whose second is not yet.
     half_open: Vec<(Hello, TcpStream)>,
+    replays: Replays,
 }
 
 /// An accepted socket whose hello is not complete yet.
@@ -54,6 +56,7 @@ impl TcpListener {
             options,
             greeting: Vec::new(),
             half_open: Vec::new(),
+            replays: Replays::default(),
         })
     }
 
@@ -89,7 +92,7 @@ impl TcpListener {
     fn take_greeted(&mut self, token: u128, me: Rank) -> Option<(Hello, TcpStream)> {
         let mut i = 0;
         while i < self.greeting.len() {
-            match self.greeting[i].check(token, me) {
+            match self.greeting[i].check(token, me, &mut self.replays) {
                 Check::Waiting => i += 1,
                 Check::Drop => {
                     self.greeting.swap_remove(i);
@@ -128,7 +131,7 @@ enum Check {
 }
 
 impl Greeting {
-    fn check(&mut self, token: u128, me: Rank) -> Check {
+    fn check(&mut self, token: u128, me: Rank, replays: &mut Replays) -> Check {
         match self.stream.read(&mut self.hello[self.have..]) {
             Ok(0) => {
                 tracing::warn!(from = %self.from, "connection closed before its hello; ignored");
@@ -152,17 +155,18 @@ impl Greeting {
             tracing::warn!(from = %self.from, "refused a connection: {why}");
             Check::Drop
         };
-        let h = match wire::decode_hello(&self.hello) {
+        let heard = match wire::decode_hello(&self.hello) {
             Err(BadHello::NotOurs) => return refuse("not a collectives peer".into()),
             Err(BadHello::Version(v)) => {
                 return refuse(format!("protocol version {v}, ours is {}", wire::VERSION))
             }
             Ok(h) => h,
         };
-        if let Some(why) = wire::refuse_hello(&h, token, me) {
-            return refuse(why);
-        }
-        let ack = wire::encode_ack(me);
+        let h = match wire::accept_hello(&heard, token, me, replays) {
+            Ok(h) => h,
+            Err(why) => return refuse(why),
+        };
+        let ack = wire::encode_ack(me, token, &heard.nonce);
         match self.stream.write(&ack) {
             Ok(n) if n == ack.len() => Check::Accept(h),
             _ => refuse(format!("could not acknowledge rank {}", h.from)),
@@ -253,7 +257,7 @@ mod tests {
             to: 0,
             channel: 0,
         };
-        first.write_all(&wire::encode_hello(&hello)).unwrap();
+        first.write_all(&wire::encode_hello(&hello).0).unwrap();
         let deadline = Instant::now() + Duration::from_millis(300);
         let err = match listener.accept(7, 0, deadline) {
             Err(e) => e,

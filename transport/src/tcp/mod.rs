@@ -90,9 +90,10 @@ pub(crate) fn connect_greeted(
     let peer = Some(hello.to);
     let mut stream = connect_with_retry(addr, hello, deadline)?;
     configure(&stream, options).map_err(|e| Error::io(peer, "configure socket", &e))?;
+    let (greeting, nonce) = wire::encode_hello(&hello);
     stream
         .set_write_timeout(Some(remaining(deadline)))
-        .and_then(|_| stream.write_all(&wire::encode_hello(&hello)))
+        .and_then(|_| stream.write_all(&greeting))
         .map_err(|e| Error::io(peer, "send hello", &e))?;
     let mut ack = [0u8; ACK_LEN];
     stream
@@ -105,10 +106,14 @@ pub(crate) fn connect_greeted(
             )),
             _ => Error::io(peer, "wait for hello acknowledgement", &e),
         })?;
-    match wire::decode_ack(&ack) {
+    match wire::decode_ack(&ack, hello.token, &nonce) {
         Some(r) if r == hello.to => Ok(stream),
-        other => Err(Error::Invalid(format!(
-            "expected peer rank {} at {addr}, found {other:?}",
+        Some(r) => Err(Error::Invalid(format!(
+            "expected peer rank {} at {addr}, found rank {r}",
+            hello.to
+        ))),
+        None => Err(Error::Invalid(format!(
+            "the listener at {addr} did not prove it holds this job's token: not peer rank {}",
             hello.to
         ))),
     }
