@@ -156,14 +156,14 @@ impl ShmTransport {
         let pid = peer_of_this_user(&ctl)
             .map_err(|e| Error::Invalid(format!("peer rank {}: {e}", hello.to)))?;
         set_timeouts(&ctl, deadline).map_err(io("connect"))?;
-        // hello, our pid and probe address, with the segment's fd attached.
+        // hello and our probe address, with the segment's fd attached (no
+        // pid: the kernel says who we are).
         let (greeting, nonce) = wire::encode_hello(&hello);
         let mut msg = greeting.to_vec();
-        msg.extend_from_slice(&std::process::id().to_le_bytes());
         msg.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
         send_with_fd(&ctl, &msg, seg.fd()).map_err(io("send hello"))?;
-        // ack, their pid and probe address, and whether they can read us.
-        let mut reply = [0u8; ACK_LEN + 4 + 8 + 1];
+        // ack, their probe address, and whether they can read us.
+        let mut reply = [0u8; ACK_LEN + 8 + 1];
         ctl.read_exact(&mut reply).map_err(|e| match e.kind() {
             ErrorKind::UnexpectedEof => Error::Invalid(format!(
                 "peer rank {} refused our connection (another job?)",
@@ -178,7 +178,7 @@ impl ShmTransport {
                 hello.to
             )));
         }
-        let (_, probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
+        let (probe, they_read_us) = parse_identity(&reply[ACK_LEN..]);
         let we_read_them = probe_remote(pid, probe);
         ctl.write_all(&[we_read_them as u8])
             .map_err(io("finish the handshake"))?;
@@ -268,7 +268,7 @@ fn handshake(
     // serves one at a time), then the handshake's time to finish, whatever
     // the wait for it was.
     set_timeouts(&ctl, Instant::now() + HELLO_WITHIN).map_err(|e| e.to_string())?;
-    let mut msg = [0u8; HELLO_LEN + 4 + 8];
+    let mut msg = [0u8; HELLO_LEN + 8];
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
     let heard = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
         .map_err(|e| format!("bad hello: {e:?}"))?;
@@ -276,10 +276,9 @@ fn handshake(
     set_timeouts(&ctl, crate::handshake_deadline(Instant::now())).map_err(|e| e.to_string())?;
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment of rank {}: {e}", hello.from))?;
-    let (_, probe, _) = parse_identity(&msg[HELLO_LEN..]);
+    let (probe, _) = parse_identity(&msg[HELLO_LEN..]);
     let we_read_them = options.single_copy && probe_remote(pid, probe);
     let mut reply = wire::encode_ack(me, token, &heard.nonce).to_vec();
-    reply.extend_from_slice(&std::process::id().to_le_bytes());
     reply.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
     reply.push(we_read_them as u8);
     ctl.write_all(&reply).map_err(|e| e.to_string())?;
@@ -304,15 +303,15 @@ fn log_mode(peer: Rank, remote_reads: bool) {
     }
 }
 
-/// pid, probe address and (for replies) the peer's verdict, little-endian;
-/// missing bytes read as zeros (pid 0 fails the probe).
-pub(crate) fn parse_identity(b: &[u8]) -> (i32, u64, bool) {
-    let mut f = [0u8; 13];
+/// The probe address and (for replies) the peer's verdict, little-endian;
+/// missing bytes read as zeros (address 0 fails the probe). A peer's pid
+/// is not in it: it comes from the kernel (`SO_PEERCRED`), never from what
+/// the peer says.
+pub(crate) fn parse_identity(b: &[u8]) -> (u64, bool) {
+    let mut f = [0u8; 9];
     let n = b.len().min(f.len());
     f[..n].copy_from_slice(&b[..n]);
-    let pid = u32::from_le_bytes(f[0..4].try_into().unwrap()) as i32;
-    let probe = u64::from_le_bytes(f[4..12].try_into().unwrap());
-    (pid, probe, f[12] == 1)
+    (u64::from_le_bytes(f[0..8].try_into().unwrap()), f[8] == 1)
 }
 
 /// The pid of the process at the other end of a Unix socket, from the
