@@ -380,7 +380,8 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
 }
 
 /// Connections the port holds at once, each until its question has come
-/// whole or [`QUESTION_WITHIN`] passed: beyond, the oldest is dropped.
+/// whole or [`QUESTION_WITHIN`] passed: beyond, the oldest that has sent
+/// nothing is dropped (else the oldest).
 const HOLD: usize = 1024;
 /// How long an asker has to send its whole question (a deadline, not a
 /// time per read: a trickling stranger is dropped at it).
@@ -448,7 +449,9 @@ fn serve(listener: TcpListener) {
                 asking.push_back(a);
             }
         }
-        loop {
+        // A bounded batch, then back to the askers already held: a flood of
+        // new connections cannot keep a question that came from being read.
+        for _ in 0..ACCEPT_AT_ONCE {
             let stream = match listener.accept() {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
@@ -462,17 +465,34 @@ fn serve(listener: TcpListener) {
             if stream.set_nonblocking(true).is_err() {
                 continue;
             }
-            if asking.len() == HOLD {
-                asking.pop_front();
-            }
-            asking.push_back(Asking {
+            let mut a = Asking {
                 stream,
                 question: [0; QUESTION_LEN],
                 got: 0,
                 answer: None,
                 by: now + QUESTION_WITHIN,
-            });
+            };
+            // A question that came with its connection is answered now.
+            if !a.step(now) {
+                continue;
+            }
+            if asking.len() == HOLD {
+                make_room(&mut asking);
+            }
+            asking.push_back(a);
         }
+    }
+}
+
+/// Connections accepted in one go before the held askers are looked at.
+const ACCEPT_AT_ONCE: usize = HOLD / 4;
+
+/// Drops one held connection: the oldest that has sent nothing, else the
+/// oldest.
+fn make_room(asking: &mut VecDeque<Asking>) {
+    match asking.iter().position(|a| a.got == 0 && a.answer.is_none()) {
+        Some(i) => drop(asking.remove(i)),
+        None => drop(asking.pop_front()),
     }
 }
 
