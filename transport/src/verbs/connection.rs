@@ -98,20 +98,22 @@ impl Cts {
     }
 }
 
-/// How far past our oldest unfinished send a grant may be: more than any
-/// caller keeps in flight, and a bound on the grants a peer can make us hold.
+/// How far past our first send still waiting for its grant a grant may
+/// be: more than any caller keeps in flight, and a bound on the grants a
+/// peer can make us hold.
 const GRANTS_AHEAD: u32 = 1 << 16;
 
-/// Keeps a peer's grant for a send of ours, if it could be one: a grant
-/// for a send already finished, one twice for the same send, or one far
-/// ahead is a peer not following the protocol (a hostile one could make us
-/// hold grants without end).
-fn keep_grant(grants: &mut Vec<Cts>, grant: Cts, send_base: u32, peer: Rank) -> Result<()> {
-    let ahead = grant.seq.wrapping_sub(send_base);
+/// Keeps a peer's grant for a send of ours, if it could be one. `first` is
+/// our first send whose grant we have not taken: a grant before it (for a
+/// send whose grant we took), one twice for the same send, or one far ahead
+/// is a peer not following the protocol (a hostile one could make us hold
+/// grants without end; every grant kept is one we will take).
+fn keep_grant(grants: &mut Vec<Cts>, grant: Cts, first: u32, peer: Rank) -> Result<()> {
+    let ahead = grant.seq.wrapping_sub(first);
     if ahead >= GRANTS_AHEAD || grants.iter().any(|g| g.seq == grant.seq) {
         return Err(Error::Invalid(format!(
-            "peer rank {peer} granted a receive for our send {} (our oldest unfinished is {send_base}): \
-             twice, or not one we can have posted",
+            "peer rank {peer} granted a receive for our send {} (the first still waiting for \
+             its grant is {first}): twice, or not one we can have posted",
             grant.seq
         )));
     }
@@ -656,7 +658,10 @@ impl VerbsConnection {
                     let at = slot * SLOT_BYTES;
                     let bytes: &[u8] = &bytemuck_bytes(&self.slots)[at..at + CTS_LEN];
                     let grant = Cts::decode(bytes);
-                    keep_grant(&mut self.grants, grant, self.send_base, self.peer)?;
+                    // The grant of the send `partial` resumes is taken.
+                    let taken = self.written + usize::from(self.partial.is_some());
+                    let first = self.send_base.wrapping_add(taken as u32);
+                    keep_grant(&mut self.grants, grant, first, self.peer)?;
                 }
                 self.post_slot(slot)?;
             }
