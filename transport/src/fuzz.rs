@@ -20,7 +20,7 @@ proptest! {
         let hello: [u8; wire::HELLO_LEN] = bytes[..].try_into().unwrap();
         if let Ok(heard) = wire::decode_hello(&hello) {
             // Bytes nobody made with the token prove nothing.
-            prop_assert!(wire::accept_hello(&heard, token, heard.to, &mut Default::default()).is_err());
+            prop_assert!(wire::accept_hello(&heard, token, heard.to, b"x", &mut Default::default()).is_err());
         }
         let nonce = crate::proof::nonce();
         prop_assert_eq!(wire::decode_ack(bytes[..wire::ACK_LEN].try_into().unwrap(), token, &nonce), None);
@@ -33,9 +33,9 @@ proptest! {
     fn hellos_and_headers_round_trip(token in any::<u128>(), from in 0usize..1 << 20, to in 0usize..1 << 20,
                                      channel in any::<u8>(), tag in any::<u128>(), len in 0usize..1 << 48) {
         let h = Hello { token, from, to, channel };
-        let (bytes, nonce) = wire::encode_hello(&h);
+        let (bytes, nonce) = wire::encode_hello(&h, b"x");
         let heard = wire::decode_hello(&bytes).unwrap();
-        prop_assert_eq!(wire::accept_hello(&heard, token, to, &mut Default::default()), Ok(h));
+        prop_assert_eq!(wire::accept_hello(&heard, token, to, b"x", &mut Default::default()), Ok(h));
         prop_assert_eq!(wire::decode_ack(&wire::encode_ack(to, token, &nonce), token, &nonce), Some(to));
         let f = Frame::Data { tag, len, seq: len as u32 ^ from as u32 };
         prop_assert_eq!(wire::decode_header(&wire::encode_header(f)), Some(f));

@@ -24,9 +24,11 @@ pub(crate) const HEADER_LEN: usize = 32;
 /// Longest abort reason read from a peer.
 pub(crate) const MAX_REASON_LEN: usize = 4096;
 
-/// `h` as it goes on the wire, proved by `h.token` with a fresh nonce, and
-/// that nonce (the ack must answer it).
-pub(crate) fn encode_hello(h: &Hello) -> ([u8; HELLO_LEN], Nonce) {
+/// `h` as it goes on the wire to the listener at `address` (the blob it
+/// published), proved by `h.token` with a fresh nonce, and that nonce (the
+/// ack must answer it). The proof covers the address, so a hello recorded
+/// on its way to one listener is refused by every other.
+pub(crate) fn encode_hello(h: &Hello, address: &[u8]) -> ([u8; HELLO_LEN], Nonce) {
     let nonce = proof::nonce();
     let mut b = [0u8; HELLO_LEN];
     b[0..4].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
@@ -35,7 +37,7 @@ pub(crate) fn encode_hello(h: &Hello) -> ([u8; HELLO_LEN], Nonce) {
     b[12..16].copy_from_slice(&(h.to as u32).to_le_bytes());
     b[16] = h.channel;
     b[17..SIGNED_LEN].copy_from_slice(&nonce);
-    let mac = proof::mac(h.token, "hello", &[&b[..SIGNED_LEN]]);
+    let mac = proof::mac(h.token, "hello", &[&b[..SIGNED_LEN], address]);
     b[SIGNED_LEN..].copy_from_slice(&mac);
     (b, nonce)
 }
@@ -74,19 +76,21 @@ pub(crate) fn decode_hello(b: &[u8; HELLO_LEN]) -> Result<Heard, BadHello> {
     })
 }
 
-/// The hello of a member of the job of `token` that wants rank `me`, or
-/// why it is refused: no proof of the token, another rank wanted, or a
+/// The hello of a member of the job of `token` that wants rank `me` at
+/// this listener (`address`, the blob it published), or why it is refused:
+/// no proof of the token for this listener, another rank wanted, or a
 /// hello seen before (a recording replayed).
 pub(crate) fn accept_hello(
     h: &Heard,
     token: u128,
     me: Rank,
+    address: &[u8],
     replays: &mut Replays,
 ) -> Result<Hello, String> {
     let (signed, mac) = h.bytes.split_at(SIGNED_LEN);
-    if !proof::verify(token, "hello", &[signed], mac) {
+    if !proof::verify(token, "hello", &[signed, address], mac) {
         return Err(format!(
-            "a caller as rank {} did not prove this job's token (another job, or a stranger)",
+            "a caller as rank {} did not prove this job's token for this listener (another job, a stranger, or a hello meant for another listener)",
             h.from
         ));
     }
@@ -193,15 +197,20 @@ mod tests {
             to: 3,
             channel: 1,
         };
-        let (bytes, nonce) = encode_hello(&h);
+        let (bytes, nonce) = encode_hello(&h, b"127.0.0.1:9");
         let heard = decode_hello(&bytes).unwrap();
         let mut seen = Replays::default();
         // Another token proves nothing; the right one gives the hello back, once.
-        let e = accept_hello(&heard, h.token ^ 1, 3, &mut seen).unwrap_err();
+        let e = accept_hello(&heard, h.token ^ 1, 3, b"127.0.0.1:9", &mut seen).unwrap_err();
         assert!(e.contains("did not prove"), "{e}");
-        assert!(accept_hello(&heard, h.token, 4, &mut seen).is_err());
-        assert_eq!(accept_hello(&heard, h.token, 3, &mut seen), Ok(h));
-        let e = accept_hello(&heard, h.token, 3, &mut seen).unwrap_err();
+        assert!(accept_hello(&heard, h.token, 4, b"127.0.0.1:9", &mut seen).is_err());
+        // Meant for another listener of the same rank (a replay there).
+        assert!(accept_hello(&heard, h.token, 3, b"127.0.0.1:10", &mut seen).is_err());
+        assert_eq!(
+            accept_hello(&heard, h.token, 3, b"127.0.0.1:9", &mut seen),
+            Ok(h)
+        );
+        let e = accept_hello(&heard, h.token, 3, b"127.0.0.1:9", &mut seen).unwrap_err();
         assert!(e.contains("replay"), "{e}");
         // The token is not on the wire.
         assert!(!bytes.windows(16).any(|w| w == h.token.to_le_bytes()));
@@ -209,7 +218,7 @@ mod tests {
         let mut changed = bytes;
         changed[9] ^= 1;
         let other = decode_hello(&changed).unwrap();
-        assert!(accept_hello(&other, h.token, 3, &mut Replays::default()).is_err());
+        assert!(accept_hello(&other, h.token, 3, b"127.0.0.1:9", &mut Replays::default()).is_err());
         // The ack proves the token back, for this hello's nonce only.
         let ack = encode_ack(3, h.token, &nonce);
         assert_eq!(decode_ack(&ack, h.token, &nonce), Some(3));

@@ -158,7 +158,7 @@ impl ShmTransport {
         set_timeouts(&ctl, deadline).map_err(io("connect"))?;
         // hello and our probe address, with the segment's fd attached (no
         // pid: the kernel says who we are).
-        let (greeting, nonce) = wire::encode_hello(&hello);
+        let (greeting, nonce) = wire::encode_hello(&hello, address);
         let mut msg = greeting.to_vec();
         msg.extend_from_slice(&(&PROBE as *const u64 as u64).to_le_bytes());
         send_with_fd(&ctl, &msg, seg.fd()).map_err(io("send hello"))?;
@@ -213,7 +213,8 @@ impl Listener for ShmListener {
     ) -> Result<(Hello, Box<dyn Connection>)> {
         loop {
             let ctl = self.accept_one(deadline)?;
-            match handshake(ctl, token, me, self.options, &mut self.replays) {
+            let at = self.name.as_bytes();
+            match handshake(ctl, token, me, at, self.options, &mut self.replays) {
                 Ok(accepted) => return Ok(accepted),
                 Err(why) => tracing::warn!("refused a shared-memory connection: {why}"),
             }
@@ -259,6 +260,7 @@ fn handshake(
     mut ctl: UnixStream,
     token: u128,
     me: Rank,
+    address: &[u8],
     options: ShmOptions,
     replays: &mut crate::proof::Replays,
 ) -> std::result::Result<(Hello, Box<dyn Connection>), String> {
@@ -272,7 +274,7 @@ fn handshake(
     let fd = recv_with_fd(&ctl, &mut msg).map_err(|e| format!("no hello: {e}"))?;
     let heard = wire::decode_hello(msg[..HELLO_LEN].try_into().unwrap())
         .map_err(|e| format!("bad hello: {e:?}"))?;
-    let hello = wire::accept_hello(&heard, token, me, replays)?;
+    let hello = wire::accept_hello(&heard, token, me, address, replays)?;
     set_timeouts(&ctl, crate::handshake_deadline(Instant::now())).map_err(|e| e.to_string())?;
     let seg = Segment::open(fd.ok_or("no segment attached")?)
         .map_err(|e| format!("cannot map the segment of rank {}: {e}", hello.from))?;

@@ -90,9 +90,10 @@ impl TcpListener {
     /// Reads what hellos have arrived; returns the first valid one, dropping
     /// (and logging) strangers and the silent.
     fn take_greeted(&mut self, token: u128, me: Rank) -> Option<(Hello, TcpStream)> {
+        let address = self.address();
         let mut i = 0;
         while i < self.greeting.len() {
-            match self.greeting[i].check(token, me, &mut self.replays) {
+            match self.greeting[i].check(token, me, &address, &mut self.replays) {
                 Check::Waiting => i += 1,
                 Check::Drop => {
                     self.greeting.swap_remove(i);
@@ -131,7 +132,7 @@ enum Check {
 }
 
 impl Greeting {
-    fn check(&mut self, token: u128, me: Rank, replays: &mut Replays) -> Check {
+    fn check(&mut self, token: u128, me: Rank, address: &[u8], replays: &mut Replays) -> Check {
         match self.stream.read(&mut self.hello[self.have..]) {
             Ok(0) => {
                 tracing::warn!(from = %self.from, "connection closed before its hello; ignored");
@@ -162,7 +163,7 @@ impl Greeting {
             }
             Ok(h) => h,
         };
-        let h = match wire::accept_hello(&heard, token, me, replays) {
+        let h = match wire::accept_hello(&heard, token, me, address, replays) {
             Ok(h) => h,
             Err(why) => return refuse(why),
         };
@@ -257,7 +258,10 @@ mod tests {
             to: 0,
             channel: 0,
         };
-        first.write_all(&wire::encode_hello(&hello).0).unwrap();
+        let address = listener.address();
+        first
+            .write_all(&wire::encode_hello(&hello, &address).0)
+            .unwrap();
         let deadline = Instant::now() + Duration::from_millis(300);
         let err = match listener.accept(7, 0, deadline) {
             Err(e) => e,

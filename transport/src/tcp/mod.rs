@@ -90,7 +90,7 @@ pub(crate) fn connect_greeted(
     let peer = Some(hello.to);
     let mut stream = connect_with_retry(addr, hello, deadline)?;
     configure(&stream, options).map_err(|e| Error::io(peer, "configure socket", &e))?;
-    let (greeting, nonce) = wire::encode_hello(&hello);
+    let (greeting, nonce) = wire::encode_hello(&hello, address);
     stream
         .set_write_timeout(Some(remaining(deadline)))
         .and_then(|_| stream.write_all(&greeting))
