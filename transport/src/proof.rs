@@ -18,13 +18,25 @@ pub const MAC_LEN: usize = 16;
 pub type Nonce = [u8; NONCE_LEN];
 pub type Tag = [u8; MAC_LEN];
 
+/// `N` random bytes from the kernel: every secret, nonce and random name
+/// of the library comes from here. Without the kernel's randomness a
+/// secret could be guessed or a nonce repeat, so there is no fallback.
+pub fn random<const N: usize>() -> [u8; N] {
+    let mut b = [0u8; N];
+    let mut filled = 0;
+    while filled < N {
+        match rustix::rand::getrandom(&mut b[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(n) => filled += n,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => panic!("the kernel gives no random bytes (getrandom: {e})"),
+        }
+    }
+    b
+}
+
 /// A fresh random nonce.
 pub fn nonce() -> Nonce {
-    let mut n = [0u8; NONCE_LEN];
-    let filled = rustix::rand::getrandom(&mut n, rustix::rand::GetRandomFlags::empty());
-    // Without the kernel's randomness a nonce could repeat: no proof then.
-    assert_eq!(filled.ok(), Some(NONCE_LEN), "getrandom gave no nonce");
-    n
+    random()
 }
 
 /// The MAC under `key` of `label` and `parts`.

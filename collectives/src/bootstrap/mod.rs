@@ -428,15 +428,7 @@ pub(crate) fn derive_token(parent: u128, salt: &str) -> u128 {
     fnv1a(format!("{parent:032x}/{salt}").as_bytes())
 }
 
-/// A fresh random token.
+/// A fresh random token (a secret: from the kernel, with no weaker fallback).
 pub(crate) fn random_token() -> u128 {
-    let mut b = [0u8; 16];
-    if rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty()).is_err() {
-        // No entropy source: time and pid still make collisions unlikely.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        return fnv1a(format!("{t:?}/{}", std::process::id()).as_bytes());
-    }
-    u128::from_le_bytes(b)
+    u128::from_le_bytes(transport::proof::random())
 }

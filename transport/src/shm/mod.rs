@@ -96,7 +96,8 @@ impl Transport for ShmTransport {
     }
 
     fn listen(&self) -> Result<Box<dyn Listener>> {
-        let name = format!("coll-shm-{}-{:016x}", std::process::id(), random());
+        let random = u64::from_le_bytes(crate::proof::random());
+        let name = format!("coll-shm-{}-{random:016x}", std::process::id());
         let addr = SocketAddr::from_abstract_name(name.as_bytes())
             .map_err(|e| Error::io(None, "listen", &e))?;
         let listener = UnixListener::bind_addr(&addr).map_err(|e| Error::io(None, "listen", &e))?;
@@ -397,10 +398,4 @@ fn recv_with_fd(s: &UnixStream, buf: &mut [u8]) -> std::io::Result<Option<OwnedF
         have += n;
     }
     Ok(fd)
-}
-
-fn random() -> u64 {
-    let mut b = [0u8; 8];
-    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
-    u64::from_le_bytes(b) ^ std::process::id() as u64
 }

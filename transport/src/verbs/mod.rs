@@ -387,7 +387,5 @@ fn establish(
 }
 
 fn random_psn() -> u32 {
-    let mut b = [0u8; 4];
-    let _ = rustix::rand::getrandom(&mut b, rustix::rand::GetRandomFlags::empty());
-    u32::from_le_bytes(b) & 0xff_ffff
+    u32::from_le_bytes(crate::proof::random()) & 0xff_ffff
 }
