@@ -9,15 +9,18 @@
 //! is taken only with a proof under that session (a MAC, the session itself
 //! never on the wire): a stranger who finds the port is ignored.
 
-use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::ops::Range;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 use transport::Rank;
 
-use super::rendezvous::{receive_by, to_hex, PeerInfo, MAX_REPLY_BYTES};
+use super::rendezvous::{
+    prove, proved, read_each, receive_by, send_bytes, PeerInfo, MAX_REPLY_BYTES,
+};
 
 /// Children per rank in the tree.
 pub const FANOUT: usize = 8;
@@ -47,50 +50,67 @@ pub fn hops(size: usize) -> usize {
 }
 
 /// The table as it travels from a parent to a child: its JSON, and the
-/// MAC of it under the session.
-#[derive(Serialize, Deserialize)]
+/// MAC of it under the session. A rank passes on what it received as it
+/// came, without writing the table again.
+#[derive(Debug, Serialize, Deserialize)]
 pub(crate) struct Relay {
     proof: String,
     table: String,
 }
 
-fn prove(session: u128, table: &str) -> String {
-    to_hex(&transport::proof::mac(
-        session,
-        "relay",
-        &[table.as_bytes()],
-    ))
+impl Relay {
+    /// The relay of `peers` in the session `session`.
+    pub(crate) fn new(session: u128, peers: &[PeerInfo]) -> Self {
+        let table = serde_json::to_string(peers).expect("a table serializes");
+        Relay {
+            proof: prove(session, "relay", &[table.as_bytes()]),
+            table,
+        }
+    }
+
+    /// The table, if it is proved under `session` and names every rank of
+    /// a job of `size` once, in order.
+    fn open(&self, session: u128, size: usize) -> Result<Vec<PeerInfo>, String> {
+        if !proved(session, "relay", &[self.table.as_bytes()], &self.proof) {
+            return Err("no proof of this session".into());
+        }
+        let peers: Vec<PeerInfo> = serde_json::from_str(&self.table).map_err(|e| e.to_string())?;
+        check(&peers, size)?;
+        Ok(peers)
+    }
 }
 
 /// Waits on `listener` for the table from rank `parent`: the first
-/// connection that presents `session` and a whole table of `size` ranks.
+/// connection that brings a relay proved under `session`, with a whole
+/// table of `size` ranks. Connections are read side by side (see
+/// [`read_each`]): a silent stranger holds up nothing.
 pub(crate) fn await_table(
     listener: &TcpListener,
     session: u128,
     parent: Rank,
     size: usize,
     deadline: Instant,
-) -> Result<Vec<PeerInfo>, String> {
+) -> Result<(Relay, Vec<PeerInfo>), String> {
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let (tx, rx) = mpsc::channel();
+    let readers = Arc::new(AtomicUsize::new(0));
     while Instant::now() < deadline {
-        let Ok((mut stream, from)) = listener.accept() else {
-            std::thread::sleep(Duration::from_millis(2));
+        read_each(listener, &readers, &tx, "the rendezvous relay", move |s| {
+            receive_by::<Relay>(
+                s,
+                MAX_REPLY_BYTES,
+                deadline.min(Instant::now() + RELAY_WITHIN),
+            )
+        });
+        let Ok((stream, relay)) = rx.recv_timeout(Duration::from_millis(2)) else {
             continue;
         };
-        let _ = stream.set_nonblocking(false);
-        let by = deadline.min(Instant::now() + RELAY_WITHIN);
-        let problem = match receive_by::<Relay>(&mut stream, MAX_REPLY_BYTES, by) {
-            Ok(r) if r.proof != prove(session, &r.table) => "no proof of this session".to_string(),
-            Ok(r) => match serde_json::from_str::<Vec<PeerInfo>>(&r.table) {
-                Ok(peers) => match check(&peers, size) {
-                    Ok(()) => return Ok(peers),
-                    Err(e) => e,
-                },
-                Err(e) => e.to_string(),
-            },
-            Err(e) => e.to_string(),
-        };
-        tracing::warn!(%from, "ignored a connection to the rendezvous relay: {problem}");
+        match relay.open(session, size) {
+            Ok(peers) => return Ok((relay, peers)),
+            Err(e) => {
+                tracing::warn!(from = ?stream.peer_addr().ok(), "ignored a connection to the rendezvous relay: {e}")
+            }
+        }
     }
     Err(format!(
         "Timed out waiting: rank {parent} never passed on the rendezvous's table (it relays \
@@ -110,18 +130,13 @@ pub(crate) fn check(peers: &[PeerInfo], size: usize) -> Result<(), String> {
     }
 }
 
-/// Sends the table to each child's relay listener, all at once; a child
-/// that cannot be reached is logged (its subtree times out naming us).
-pub(crate) fn pass_on(session: u128, peers: &[PeerInfo], to: &[SocketAddr], deadline: Instant) {
+/// Sends `relay` to each child's relay listener, all at once; a child that
+/// cannot be reached is logged (its subtree times out naming us).
+pub(crate) fn pass_on(relay: &Relay, to: &[SocketAddr], deadline: Instant) {
     if to.is_empty() {
         return;
     }
-    let table = serde_json::to_string(peers).expect("a table serializes");
-    let relay = Relay {
-        proof: prove(session, &table),
-        table,
-    };
-    let body = serde_json::to_vec(&relay).expect("a table serializes");
+    let body = serde_json::to_vec(relay).expect("a relay serializes");
     std::thread::scope(|s| {
         for addr in to {
             let body = &body;
@@ -139,8 +154,7 @@ fn send_to(addr: SocketAddr, body: &[u8], deadline: Instant) -> std::io::Result<
     let timeout = left.clamp(Duration::from_millis(1), Duration::from_secs(5));
     let mut stream = TcpStream::connect_timeout(&addr, timeout)?;
     stream.set_write_timeout(Some(left.max(Duration::from_millis(1))))?;
-    stream.write_all(&(body.len() as u32).to_le_bytes())?;
-    stream.write_all(body)
+    send_bytes(&mut stream, body)
 }
 
 #[cfg(test)]

@@ -177,7 +177,7 @@ impl Server {
     }
 
     fn serve(self, size: Option<usize>, job: u128, deadline: Instant) -> Result<(), String> {
-        let (tx, rx) = mpsc::channel::<(TcpStream, Join, String)>();
+        let (tx, rx) = mpsc::channel::<(TcpStream, (Join, String))>();
         self.listener
             .set_nonblocking(true)
             .map_err(|e| e.to_string())?;
@@ -194,8 +194,18 @@ impl Server {
                 refuse_all(joined.values_mut(), &reason);
                 return Err(reason);
             }
-            self.accept_pending(&tx, &readers);
-            let (mut stream, join, challenge) = match rx.recv_timeout(Duration::from_millis(20)) {
+            read_each(&self.listener, &readers, &tx, "rendezvous", |stream| {
+                let within = Instant::now() + JOIN_WITHIN;
+                let challenge = Challenge {
+                    nonce: to_hex(&transport::proof::nonce()),
+                };
+                stream.set_write_timeout(Some(JOIN_WITHIN))?;
+                send(stream, &challenge)?;
+                let join = receive_by::<Join>(stream, MAX_JOIN_BYTES, within)?;
+                stream.set_read_timeout(None)?;
+                Ok((join, challenge.nonce))
+            });
+            let (mut stream, (join, challenge)) = match rx.recv_timeout(Duration::from_millis(20)) {
                 Ok(joiner) => joiner,
                 Err(mpsc::RecvTimeoutError::Timeout) => continue,
                 Err(mpsc::RecvTimeoutError::Disconnected) => unreachable!("we hold a sender"),
@@ -252,43 +262,41 @@ impl Server {
         }
         reason
     }
+}
 
-    /// Accepts waiting connections; a thread per connection reads its
-    /// request (at most `MAX_READERS` at once, each within `JOIN_WITHIN`),
-    /// so a silent or trickling stranger holds up nobody and a flood of them
-    /// costs a bounded number of threads. Past that many, connections wait
-    /// in the listener's backlog: a flood delays a join, never drops it.
-    fn accept_pending(
-        &self,
-        tx: &mpsc::Sender<(TcpStream, Join, String)>,
-        readers: &Arc<AtomicUsize>,
-    ) {
-        // Only this thread adds readers: the count cannot pass the cap.
-        while readers.load(Ordering::SeqCst) < MAX_READERS {
-            let Ok((mut stream, from)) = self.listener.accept() else {
-                return;
-            };
-            readers.fetch_add(1, Ordering::SeqCst);
-            let (tx, readers) = (tx.clone(), readers.clone());
-            std::thread::spawn(move || {
-                let _ = stream.set_nonblocking(false);
-                let within = Instant::now() + JOIN_WITHIN;
-                let challenge = Challenge {
-                    nonce: to_hex(&transport::proof::nonce()),
-                };
-                let _ = stream.set_write_timeout(Some(JOIN_WITHIN));
-                let joined = send(&mut stream, &challenge)
-                    .and_then(|_| receive_by::<Join>(&mut stream, MAX_JOIN_BYTES, within));
-                match joined {
-                    Ok(j) => {
-                        let _ = stream.set_read_timeout(None);
-                        let _ = tx.send((stream, j, challenge.nonce));
-                    }
-                    Err(e) => tracing::warn!(%from, "rendezvous ignored a connection: {e}"),
+/// Accepts the connections waiting on the non-blocking `listener`; a thread
+/// per connection runs `read` on it (which must end by its own deadline)
+/// and hands the stream and what it read to `tx`. At most `MAX_READERS` run
+/// at once (counted in `readers`), so a silent or trickling stranger holds
+/// up nobody and a flood of them costs a bounded number of threads; past
+/// that many, connections wait in the listener's backlog: a flood delays an
+/// honest sender, never drops it. `what` names the listener in the log.
+pub(crate) fn read_each<T: Send + 'static>(
+    listener: &TcpListener,
+    readers: &Arc<AtomicUsize>,
+    tx: &mpsc::Sender<(TcpStream, T)>,
+    what: &'static str,
+    read: impl Fn(&mut TcpStream) -> std::io::Result<T> + Clone + Send + 'static,
+) {
+    // Only the caller's thread adds readers: the count cannot pass the cap.
+    while readers.load(Ordering::SeqCst) < MAX_READERS {
+        let Ok((mut stream, from)) = listener.accept() else {
+            return;
+        };
+        readers.fetch_add(1, Ordering::SeqCst);
+        let (tx, readers, read) = (tx.clone(), readers.clone(), read.clone());
+        std::thread::spawn(move || {
+            let got = stream
+                .set_nonblocking(false)
+                .and_then(|_| read(&mut stream));
+            match got {
+                Ok(t) => {
+                    let _ = tx.send((stream, t));
                 }
-                readers.fetch_sub(1, Ordering::SeqCst);
-            });
-        }
+                Err(e) => tracing::warn!(%from, "{what} ignored a connection: {e}"),
+            }
+            readers.fetch_sub(1, Ordering::SeqCst);
+        });
     }
 }
 
@@ -316,9 +324,8 @@ fn answer(mut joined: BTreeMap<Rank, (TcpStream, JoinBody)>, job: u128) {
             },
         };
         let body = serde_json::to_string(&welcome).expect("a welcome serializes");
-        let proof = transport::proof::mac(job, "welcome", &[j.nonce.as_bytes(), body.as_bytes()]);
         let reply = Reply::Proved {
-            proof: to_hex(&proof),
+            proof: prove(job, "welcome", &[j.nonce.as_bytes(), body.as_bytes()]),
             body,
         };
         if let Err(e) = send(stream, &reply) {
@@ -330,9 +337,12 @@ fn answer(mut joined: BTreeMap<Rank, (TcpStream, JoinBody)>, job: u128) {
 /// The body of a join proved under the job's token `job` with the
 /// rendezvous's `challenge`, or why it is refused.
 fn proved_join(j: &Join, job: u128, challenge: &str) -> Result<JoinBody, String> {
-    let proof = from_hex(&j.proof).unwrap_or_default();
-    let proved = [challenge.as_bytes(), j.body.as_bytes()];
-    if !transport::proof::verify(job, "join", &proved, &proof) {
+    if !proved(
+        job,
+        "join",
+        &[challenge.as_bytes(), j.body.as_bytes()],
+        &j.proof,
+    ) {
         let rank = serde_json::from_str::<JoinBody>(&j.body).map(|b| b.info.rank);
         let who = rank.map_or("a joiner".into(), |r| format!("a joiner as rank {r}"));
         return Err(format!(
@@ -406,9 +416,8 @@ pub fn join(
         nonce: nonce.clone(),
     };
     let body = serde_json::to_string(&body).map_err(|e| e.to_string())?;
-    let proved = [challenge.nonce.as_bytes(), body.as_bytes()];
     let request = Join {
-        proof: to_hex(&transport::proof::mac(job, "join", &proved)),
+        proof: prove(job, "join", &[challenge.nonce.as_bytes(), body.as_bytes()]),
         body,
     };
     send(&mut stream, &request).map_err(at)?;
@@ -416,8 +425,7 @@ pub fn join(
     // own, and only its answer can say which ranks never came.
     let welcome = match receive_by::<Reply>(&mut stream, MAX_REPLY_BYTES, late) {
         Ok(Reply::Proved { proof, body }) => {
-            let proof = from_hex(&proof).unwrap_or_default();
-            if !transport::proof::verify(job, "welcome", &[nonce.as_bytes(), body.as_bytes()], &proof) {
+            if !proved(job, "welcome", &[nonce.as_bytes(), body.as_bytes()], &proof) {
                 return Err(format!("the rendezvous at {addr} did not prove it holds this job's token (another job's, or a stranger's)"));
             }
             serde_json::from_str::<Welcome>(&body).map_err(|e| format!("rendezvous at {addr}: {e}"))?
@@ -428,24 +436,27 @@ pub fn join(
         )),
         Err(e) => return Err(at(e)),
     };
-    let (session, peers, children) = match welcome {
+    let (session, relayed, peers, children) = match welcome {
         Welcome::Table {
             session_nonce,
             peers,
             children,
-        } => (session_of(job, &session_nonce), peers, children),
+        } => {
+            relay::check(&peers, size).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
+            let session = session_of(job, &session_nonce);
+            (session, relay::Relay::new(session, &peers), peers, children)
+        }
         Welcome::Relayed {
             session_nonce,
             parent,
             children,
         } => {
             let session = session_of(job, &session_nonce);
-            let peers = relay::await_table(&listener, session, parent, size, late)?;
-            (session, peers, children)
+            let (relayed, peers) = relay::await_table(&listener, session, parent, size, late)?;
+            (session, relayed, peers, children)
         }
     };
-    relay::check(&peers, size).map_err(|e| format!("rendezvous at {addr}: {e}"))?;
-    relay::pass_on(session, &peers, &children, late);
+    relay::pass_on(&relayed, &children, late);
     Ok(Table { session, peers })
 }
 
@@ -488,9 +499,24 @@ fn not_to_itself(stream: TcpStream) -> std::io::Result<TcpStream> {
 }
 
 fn send<T: Serialize>(stream: &mut TcpStream, msg: &T) -> std::io::Result<()> {
-    let body = serde_json::to_vec(msg)?;
+    send_bytes(stream, &serde_json::to_vec(msg)?)
+}
+
+/// One message already serialized: its length, then its bytes.
+pub(crate) fn send_bytes(stream: &mut TcpStream, body: &[u8]) -> std::io::Result<()> {
     stream.write_all(&(body.len() as u32).to_le_bytes())?;
-    stream.write_all(&body)
+    stream.write_all(body)
+}
+
+/// The MAC under `key` of `label` and `parts`, in hex, as messages carry it
+/// ([`transport::proof`]).
+pub(crate) fn prove(key: u128, label: &str, parts: &[&[u8]]) -> String {
+    to_hex(&transport::proof::mac(key, label, parts))
+}
+
+/// Whether `proof` (hex) is the MAC under `key` of `label` and `parts`.
+pub(crate) fn proved(key: u128, label: &str, parts: &[&[u8]], proof: &str) -> bool {
+    from_hex(proof).is_some_and(|p| transport::proof::verify(key, label, parts, &p))
 }
 
 /// The longest challenge a joiner reads.
@@ -653,10 +679,11 @@ mod tests {
         drop(silent);
         let table = vec![info(0), info(1)];
         let (bad, good) = (5, 6);
-        relay::pass_on(bad, &table, &[at], deadline);
-        relay::pass_on(good, &table[..1], &[at], deadline);
-        relay::pass_on(good, &table, &[at], deadline);
-        let got = relay::await_table(&listener, good, 0, 2, deadline).unwrap();
+        let _silent = TcpStream::connect(at).unwrap();
+        relay::pass_on(&relay::Relay::new(bad, &table), &[at], deadline);
+        relay::pass_on(&relay::Relay::new(good, &table[..1]), &[at], deadline);
+        relay::pass_on(&relay::Relay::new(good, &table), &[at], deadline);
+        let (_, got) = relay::await_table(&listener, good, 0, 2, deadline).unwrap();
         assert_eq!(got.len(), 2);
         let soon = Instant::now() + Duration::from_millis(300);
         let e = relay::await_table(&listener, good, 0, 2, soon).unwrap_err();
