@@ -132,7 +132,8 @@ impl Connector {
         let s = &self.shared;
         let started = Instant::now();
         for &p in peers.iter().filter(|&&p| p < s.rank) {
-            s.dial((p, lane));
+            // A failure lands in the slots, where the wait below finds it.
+            let _ = s.dial((p, lane));
         }
         let grace = Instant::now() + GRACE;
         let mut asked: Option<Vec<Request>> = None;
@@ -220,8 +221,8 @@ impl Shared {
     }
 
     /// Dials `key` unless it is made, being made or handed out; the result
-    /// lands in the slots either way.
-    fn dial(&self, key: Key) {
+    /// lands in the slots either way, and a failure is returned too.
+    fn dial(&self, key: Key) -> Result<(), String> {
         let (peer, lane) = key;
         {
             let mut slots = self.lock();
@@ -229,7 +230,7 @@ impl Shared {
                 || slots.dialing.contains(&key)
                 || slots.taken.contains(&key)
             {
-                return;
+                return Ok(());
             }
             slots.dialing.insert(key);
         }
@@ -249,10 +250,15 @@ impl Shared {
         let mut slots = self.lock();
         slots.dialing.remove(&key);
         match result {
-            Ok(c) => self.land(slots, key, c),
+            Ok(c) => {
+                self.land(slots, key, c);
+                Ok(())
+            }
             Err(e) => {
+                let why = e.to_string();
                 slots.failed.insert(key, e);
                 self.arrived.notify_all();
+                Err(why)
             }
         }
     }
@@ -295,8 +301,13 @@ impl Shared {
     fn arrive(&self, hello: Hello, c: Box<dyn Connection>) {
         let (peer, channel) = (hello.from, hello.channel);
         if channel & REQUEST != 0 && peer < self.rank {
-            // Dropped once the dial is made: the asker polls it meanwhile.
-            return self.dial((peer, channel & !REQUEST));
+            // Dropped once the dial is made (the asker polls it meanwhile);
+            // a dial that failed is refused with its reason.
+            let mut request = c;
+            if let Err(why) = self.dial((peer, channel & !REQUEST)) {
+                request.abort(&format!("rank {} could not connect back: {why}", self.rank));
+            }
+            return;
         }
         if channel & REQUEST != 0 || peer < self.rank {
             return tracing::warn!(
