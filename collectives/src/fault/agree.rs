@@ -1,7 +1,7 @@
 //! Agreeing on which ranks failed, the way ULFM's `MPIX_Comm_agree` does for
 //! MPI: every survivor ends with the same set, even when several ranks die
-//! at once or one dies during the agreement, and no coordinator is needed
-//! (one could be the rank that died).
+//! at once or one dies during the agreement, and no fixed coordinator is
+//! needed (the one of the moment could be the rank that died).
 //!
 //! It runs over the status channel ([`crate::observe::status`]), not the
 //! communicator's connections, which a failure has aborted: each process
@@ -93,19 +93,14 @@ pub(crate) fn agree(
     let decided = loop {
         let alive: Vec<Rank> = (0..n).filter(|r| !failed.contains(r)).collect();
         let leading = alive.first() == Some(&me);
-        let asked: Vec<(Rank, Option<SocketAddr>)> = match leading {
-            true => alive
-                .iter()
-                .filter(|r| **r != me)
-                .map(|&r| (r, addresses[r]))
-                .collect(),
-            false => vec![parent(&alive, me)]
-                .into_iter()
-                .map(|r| (r, addresses[r]))
-                .collect(),
-        };
+        let up = [parent(&alive, me)];
+        let asked: Vec<(Rank, Option<SocketAddr>)> = (if leading { &alive[1..] } else { &up })
+            .iter()
+            .map(|&r| (r, addresses[r]))
+            .collect();
         let before = failed.clone();
         let (mut settled, mut adopted) = (true, None);
+        let mut not_yet = Vec::new();
         for (r, answer) in ask_all(&asked, session, k, n) {
             tracing::debug!(
                 rank = me,
@@ -118,7 +113,10 @@ pub(crate) fn agree(
                 None | Some(Answer::Left) => {
                     failed.insert(r);
                 }
-                Some(Answer::NotYet) => settled = false,
+                Some(Answer::NotYet) => {
+                    settled = false;
+                    not_yet.push(r);
+                }
                 Some(Answer::Proposing {
                     failed: theirs,
                     payload,
@@ -152,13 +150,20 @@ pub(crate) fn agree(
             break failed;
         }
         if Instant::now() > deadline {
-            let waiting: Vec<Rank> = (0..n).filter(|r| *r != me && !failed.contains(r)).collect();
-            return Err(format!(
-                "no agreement within the timeout: rank(s) {} have not joined it (every survivor must make the same agreement calls)",
-                status::list(&waiting)
-            ));
+            let why = match (not_yet.is_empty(), leading) {
+                (false, _) => format!(
+                    "rank(s) {} have not joined it (every survivor must make the same agreement calls)",
+                    status::list(&not_yet)
+                ),
+                (true, false) => format!(
+                    "coordinator rank {} has not decided (asked through rank {})",
+                    alive[0], up[0]
+                ),
+                (true, true) => "the survivors' proposals never settled".into(),
+            };
+            return Err(format!("no agreement within the timeout: {why}"));
         }
-        // Rounds start 1 ms apart and back off (to `most`): a round of the
+        // Rounds start 1 ms apart and back off (to `MOST_PAUSE`): a round of the
         // coordinator is a connection to every rank, and a flood of them
         // (a slow host, many ranks waiting for a late one) would delay the
         // answers themselves.
