@@ -8,8 +8,9 @@
 //! (`listen`), so a rank that is computing or blocked in another call
 //! still answers; a stopped or hung process cannot, and that is the answer.
 //! The port is published at the rendezvous next to the transports'
-//! addresses; a question names the communicator by its session token (what
-//! its connections present), so only members can ask.
+//! addresses; a question names the communicator by an id derived from its
+//! session token (`status_id`; the token itself never goes on the wire), so
+//! only members, or whoever saw one of their questions, can ask.
 //!
 //! Each communicator keeps its position on a `Board`: the newest
 //! collective it started and its phase (a few plain stores per call), and
@@ -38,7 +39,7 @@ pub(crate) const AT_ONCE: usize = 64;
 /// ([`crate::fault::agree`]).
 pub(crate) const POSITION: &[u8; 4] = b"CSTQ";
 pub(crate) const AGREEMENT: &[u8; 4] = b"CSTA";
-/// A question: its kind, a session token, an agreement number.
+/// A question: its kind, a communicator's id, an agreement number.
 const QUESTION_LEN: usize = 24;
 
 /// A communicator's position, written by its owner, read by the responder.
@@ -325,7 +326,7 @@ pub fn list(ranks: &[Rank]) -> String {
 }
 
 /// The process's responders (one per address it listens on) and the
-/// boards they answer for, by session token.
+/// boards they answer for, by communicator id (`status_id`).
 struct Responders {
     listening: Mutex<HashMap<IpAddr, SocketAddr>>,
     boards: Mutex<HashMap<u128, Weak<Board>>>,
@@ -380,8 +381,8 @@ pub(crate) fn listen(ip: IpAddr) -> std::io::Result<SocketAddr> {
 }
 
 /// Connections the port holds at once, each until its question has come
-/// whole or [`QUESTION_WITHIN`] passed: beyond, the oldest that has sent
-/// nothing is dropped (else the oldest).
+/// whole or [`QUESTION_WITHIN`] passed: beyond, one is dropped (see
+/// `make_room`).
 const HOLD: usize = 1024;
 /// How long an asker has to send its whole question (a deadline, not a
 /// time per read: a trickling stranger is dropped at it).
@@ -488,9 +489,12 @@ fn serve(listener: TcpListener) {
 const ACCEPT_AT_ONCE: usize = HOLD / 4;
 
 /// Drops one held connection: the oldest that has sent nothing, else the
-/// oldest.
+/// oldest whose question is not whole, else the oldest (an answer on its
+/// way is the last to go: a flood of question prefixes cannot cut it).
 fn make_room(asking: &mut VecDeque<Asking>) {
-    match asking.iter().position(|a| a.got == 0 && a.answer.is_none()) {
+    let silent = asking.iter().position(|a| a.got == 0);
+    let asking_still = || asking.iter().position(|a| a.answer.is_none());
+    match silent.or_else(asking_still) {
         Some(i) => drop(asking.remove(i)),
         None => drop(asking.pop_front()),
     }
@@ -631,6 +635,12 @@ fn ask(addr: SocketAddr, question: &[u8], within: Duration, limit: u64) -> Optio
     Some(a)
 }
 
+/// Asks a rank at `addr` (`None`: it published none) `question`, within
+/// [`ANSWER_WITHIN`].
+fn ask_rank(addr: Option<SocketAddr>, question: &[u8], limit: u64) -> Option<Vec<u8>> {
+    ask(addr?, question, ANSWER_WITHIN, limit)
+}
+
 /// Asks each rank (`None`: it published no address) `question`, at most
 /// [`AT_ONCE`] at a time, each within [`ANSWER_WITHIN`].
 pub(crate) fn ask_each(
@@ -641,13 +651,13 @@ pub(crate) fn ask_each(
     let mut answers = Vec::with_capacity(ranks.len());
     // One question (what most ranks of an agreement ask) needs no thread.
     if let [(r, a)] = ranks {
-        answers.push((*r, a.and_then(|a| ask(a, question, ANSWER_WITHIN, limit))));
+        answers.push((*r, ask_rank(*a, question, limit)));
         return answers;
     }
     for batch in ranks.chunks(AT_ONCE) {
         std::thread::scope(|s| {
             let asked: Vec<_> = (batch.iter())
-                .map(|&(r, a)| (r, s.spawn(move || ask(a?, question, ANSWER_WITHIN, limit))))
+                .map(|&(r, a)| (r, s.spawn(move || ask_rank(a, question, limit))))
                 .collect();
             for (r, h) in asked {
                 answers.push((r, h.join().ok().flatten()));
@@ -676,7 +686,8 @@ pub(crate) fn diagnose(
     session: u128,
 ) -> String {
     let q = question(POSITION, session, 0);
-    let states = match addresses.len() <= ASK_ALL_UP_TO {
+    // A rank that knows of no wait has no chain to follow.
+    let states = match addresses.len() <= ASK_ALL_UP_TO || mine.waiting_on.is_none() {
         true => ask_everyone(me, mine, addresses, &q),
         false => follow_waits(me, mine, addresses, &q),
     };
@@ -724,8 +735,7 @@ fn follow_waits(
         if states.len() > CHAIN_MOST || states.iter().any(|s| s.rank == r) {
             break;
         }
-        let answer = ask_each(&[(r, addresses[r])], q, ANSWER_MAX).pop();
-        let position = answer.and_then(|(_, a)| parse_answer(&a?));
+        let position = ask_rank(addresses[r], q, ANSWER_MAX).and_then(|a| parse_answer(&a));
         next = position.as_ref().and_then(|p| p.waiting_on);
         states.push(RankState { rank: r, position });
     }
@@ -751,6 +761,24 @@ mod tests {
 
     fn at(board: &Board) -> Option<Position> {
         Some(board.position())
+    }
+
+    /// A board in AllReduce #`seq`, waiting to receive from `peer` if any.
+    fn running(seq: u32, peer: Option<Rank>) -> Board {
+        let b = Board::default();
+        let d = desc(Collective::AllReduce, seq);
+        b.call(&d, 2);
+        if let Some(peer) = peer {
+            let w = Waiting {
+                peer,
+                send: false,
+                index: 1,
+                of: 2,
+                bytes: 8,
+            };
+            b.waiting(d.tag(), &w);
+        }
+        b
     }
 
     #[test]
@@ -783,22 +811,7 @@ mod tests {
 
     #[test]
     fn verdicts_name_the_rank_at_fault() {
-        let running = |seq, peer: Option<Rank>| {
-            let b = Board::default();
-            let d = desc(Collective::AllReduce, seq);
-            b.call(&d, 2);
-            if let Some(p) = peer {
-                let w = Waiting {
-                    peer: p,
-                    send: false,
-                    index: 1,
-                    of: 2,
-                    bytes: 8,
-                };
-                b.waiting(d.tag(), &w);
-            }
-            at(&b)
-        };
+        let running = |seq, peer| at(&running(seq, peer));
         let state = |rank, position| RankState { rank, position };
         // A silent rank that others wait on.
         let v = verdict(
@@ -854,24 +867,12 @@ mod tests {
     #[test]
     fn a_large_job_follows_the_chain_of_waits() {
         let addr = listen("127.0.0.1".parse().unwrap()).unwrap();
-        let board = Arc::new(Board::default());
-        let d = desc(Collective::AllReduce, 4);
-        board.call(&d, 2);
-        let w = |peer| Waiting {
-            peer,
-            send: false,
-            index: 1,
-            of: 2,
-            bytes: 8,
-        };
-        board.waiting(d.tag(), &w(7));
+        let board = Arc::new(running(4, Some(7)));
         register(0xc4a1, &board);
         // Rank 5 answers (waiting for 7); 7 and every other rank are silent.
         let mut addresses = vec![None; ASK_ALL_UP_TO + 44];
         addresses[5] = Some(addr);
-        let mine = Board::default();
-        mine.call(&d, 2);
-        mine.waiting(d.tag(), &w(5));
+        let mine = running(4, Some(5));
         let q = question(POSITION, 0xc4a1, 0);
         let asked = follow_waits(0, mine.position(), &addresses, &q);
         assert_eq!(asked.iter().map(|s| s.rank).collect::<Vec<_>>(), [0, 5, 7]);
