@@ -3,6 +3,8 @@
 //! itself runs in [`crate::fault::agree`]; this ballot is all of it that
 //! the status port needs.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 use transport::Rank;
 
@@ -17,9 +19,10 @@ pub(crate) struct Ballot {
     pub(crate) proposal: Vec<Rank>,
     /// The current agreement's payload (a shrink's new addresses).
     pub(crate) payload: Option<Addresses>,
-    /// By agreement number - 1: the answer "decided", serialized once (a
-    /// decision carries every member's payload, and every member asks).
-    decided: Vec<Vec<u8>>,
+    /// By agreement number - 1: the answer "decided", serialized once and
+    /// shared by every reply (a decision carries every member's payload,
+    /// and every member asks).
+    decided: Vec<Option<Arc<[u8]>>>,
 }
 
 /// What an agreement decided: the failed ranks and every member's
@@ -49,18 +52,19 @@ impl Ballot {
     pub(crate) fn decide(&mut self, k: u32, d: Decision) {
         let at = (k as usize).saturating_sub(1);
         if self.decided.len() <= at {
-            self.decided.resize(at + 1, Vec::new());
+            self.decided.resize(at + 1, None);
         }
-        self.decided[at] = serde_json::to_vec(&Answer::Decided(d)).expect("an answer serializes");
+        let text = serde_json::to_vec(&Answer::Decided(d)).expect("an answer serializes");
+        self.decided[at] = Some(text.into());
     }
 
     /// What this rank says of agreement `k`, as it goes on the wire.
-    pub fn answer(&self, k: u32) -> Vec<u8> {
-        let at = k as usize;
-        if let Some(d) = at.checked_sub(1).and_then(|i| self.decided.get(i)) {
-            if !d.is_empty() {
-                return d.clone();
-            }
+    pub fn answer(&self, k: u32) -> Arc<[u8]> {
+        let decided = (k as usize)
+            .checked_sub(1)
+            .and_then(|i| self.decided.get(i));
+        if let Some(Some(d)) = decided {
+            return d.clone();
         }
         let answer = match k == self.current && k > 0 {
             true => Answer::Proposing {
@@ -69,7 +73,9 @@ impl Ballot {
             },
             false => Answer::NotYet,
         };
-        serde_json::to_vec(&answer).expect("an answer serializes")
+        serde_json::to_vec(&answer)
+            .expect("an answer serializes")
+            .into()
     }
 }
 

@@ -395,7 +395,7 @@ struct Asking {
     question: [u8; QUESTION_LEN],
     got: usize,
     /// The answer, once the question is whole, and how much of it is sent.
-    answer: Option<(Vec<u8>, usize)>,
+    answer: Option<(Arc<[u8]>, usize)>,
     by: Instant,
 }
 
@@ -563,7 +563,7 @@ pub(crate) fn register(session: u128, board: &Arc<Board>) {
 }
 
 /// The answer to a question, if it is one.
-fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
+fn answer(q: &[u8; QUESTION_LEN]) -> Option<Arc<[u8]>> {
     let (kind, session, k) = parse_question(q)?;
     // The id is checked by the map: a stranger's reads as unknown.
     let known = responders().boards.lock().unwrap().get(&session).cloned();
@@ -576,14 +576,17 @@ fn answer(q: &[u8; QUESTION_LEN]) -> Option<Vec<u8>> {
             serde_json::to_vec(&b.position())
         }
         (POSITION, Some(_)) => serde_json::to_vec(&Position::left()),
-        (_, Some(Some(b))) => Ok(b
-            .agreement
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .answer(k)),
+        (_, Some(Some(b))) => {
+            return Some(
+                b.agreement
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .answer(k),
+            )
+        }
         (_, Some(None)) => serde_json::to_vec(&crate::observe::ballot::Answer::Left),
     };
-    text.ok()
+    text.ok().map(Into::into)
 }
 
 /// A question of `kind` about the communicator `session` (and agreement `k`).
