@@ -13,12 +13,12 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use collectives::algo::ALGORITHMS;
-use collectives::bootstrap::LAUNCHER_VAR;
 use collectives::Collective;
 
 use cli::{Cli, Command};
+use collectives::bootstrap::under_launcher;
 use commands::{simulate, trace, tune};
-use launch::{launch_local, under_launcher};
+use launch::launch_local;
 use report::plot;
 use sweep::run_rank;
 
@@ -28,9 +28,7 @@ fn main() -> ExitCode {
         Command::Tune(t) => {
             collectives::log::init();
             let result = match t.bench.nranks {
-                Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
-                    launch_local(Collective::AllReduce, n, &t.bench)
-                }
+                Some(n) if !under_launcher() => launch_local(Collective::AllReduce, n, &t.bench),
                 _ => tune::run_rank(&t).map(|()| 0),
             };
             return exit(result);
@@ -76,9 +74,7 @@ fn main() -> ExitCode {
     };
     collectives::log::init();
     let result = match args.nranks {
-        Some(n) if std::env::var_os(LAUNCHER_VAR).is_none() && !under_launcher() => {
-            launch_local(collective, n, &args)
-        }
+        Some(n) if !under_launcher() => launch_local(collective, n, &args),
         _ => run_rank(collective, &args).map(|clean| if clean { 0 } else { WRONG_VALUES }),
     };
     exit(result)

@@ -14,7 +14,7 @@
 
 use std::time::{Duration, Instant};
 
-use collectives::bootstrap::{launch, LAUNCHER_VAR};
+use collectives::bootstrap::{launch, under_launcher};
 use collectives::{AsyncCommunicator, Communicator, Handle, ReduceOp};
 
 struct Args {
@@ -50,7 +50,7 @@ fn parse_args() -> Args {
 
 fn main() {
     let args = parse_args();
-    if std::env::var_os(LAUNCHER_VAR).is_none() && std::env::var_os("RANK").is_none() {
+    if !under_launcher() {
         let job = launch::Launch {
             nranks: args.ranks,
             program: std::env::current_exe().unwrap(),

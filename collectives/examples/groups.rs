@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use collectives::bootstrap::{launch, LAUNCHER_VAR};
+use collectives::bootstrap::{launch, under_launcher};
 use collectives::{Communicator, ReduceOp};
 
 const REPS: usize = 5;
@@ -24,7 +24,7 @@ fn main() {
             other => panic!("unknown flag {other} (--ranks N)"),
         }
     }
-    if std::env::var_os(LAUNCHER_VAR).is_none() && std::env::var_os("RANK").is_none() {
+    if !under_launcher() {
         let job = launch::Launch {
             nranks: ranks,
             program: std::env::current_exe().unwrap(),

@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use collectives::bootstrap::{launch, LAUNCHER_VAR};
+use collectives::bootstrap::{launch, under_launcher};
 use collectives::{Communicator, ReduceOp};
 
 /// Checked AllReduces per phase.
@@ -30,7 +30,7 @@ fn main() {
             other => panic!("unknown flag {other} (--ranks N, --victim R)"),
         }
     }
-    if std::env::var_os(LAUNCHER_VAR).is_none() && std::env::var_os("RANK").is_none() {
+    if !under_launcher() {
         let transport = std::env::var("COLL_TRANSPORT").unwrap_or_else(|_| "tcp".into());
         let job = launch::Launch {
             nranks: ranks,

@@ -11,11 +11,6 @@ use crate::cli::BenchArgs;
 use crate::settings::{check_args, config, timeout};
 use crate::{FAILED, WRONG_VALUES};
 
-/// Whether a launcher already made this process one rank of a job.
-pub(crate) fn under_launcher() -> bool {
-    (collectives::bootstrap::RANK_VARS.iter()).any(|v| std::env::var_os(v).is_some())
-}
-
 /// Starts `n` ranks of this very command and waits for them; the exit status
 /// is the ranks' (1: wrong values only, 2: a rank failed). Every argument,
 /// the rank count and the memory are checked before anything starts.

@@ -140,13 +140,26 @@ const SOURCES: [Source; 4] = [
 
 /// The rank variable of every launcher this crate knows (torchrun's, Open
 /// MPI's, MPICH's, Slurm's): one set means a launcher made this process a
-/// rank.
+/// rank (see [`under_launcher`]).
 pub const RANK_VARS: [&str; 4] = [
     SOURCES[0].vars[0],
     SOURCES[1].vars[0],
     SOURCES[2].vars[0],
     SOURCES[3].vars[0],
 ];
+const _: () = assert!(
+    RANK_VARS.len() == SOURCES.len(),
+    "a launcher's rank variable is missing"
+);
+
+/// Whether a launcher (the local one, torchrun, mpirun, srun, ...) already
+/// made this process one rank of a job: a program that starts its own ranks
+/// when run alone must not start more then.
+pub fn under_launcher() -> bool {
+    std::iter::once(&LAUNCHER_VAR)
+        .chain(&RANK_VARS)
+        .any(|v| std::env::var_os(v).is_some())
+}
 
 impl Bootstrap {
     /// A job of one rank: no rendezvous, no peers.
