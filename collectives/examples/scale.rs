@@ -31,11 +31,16 @@ fn main() {
         }
     }
     if !under_launcher() {
+        // The parent chooses the victim, to know whose death is expected.
+        let victim = victim.unwrap_or(ranks / 2 + 1).min(ranks - 1);
         let transport = std::env::var("COLL_TRANSPORT").unwrap_or_else(|_| "tcp".into());
         let job = launch::Launch {
             nranks: ranks,
             program: std::env::current_exe().unwrap(),
-            args: std::env::args_os().skip(1).collect(),
+            args: ["--ranks".into(), ranks.to_string().into()]
+                .into_iter()
+                .chain(["--victim".into(), victim.to_string().into()])
+                .collect(),
             // Every survivor dumps its flight record when the death fails
             // its call, and says so at WARN: quiet unless asked.
             env: vec![
@@ -50,7 +55,8 @@ fn main() {
         };
         let outcome = launch::run(&job).expect("launching the ranks");
         // The victim's death is the point: only the others must succeed.
-        let others_failed = outcome.failures.iter().any(|f| !f.contains("signal 9"));
+        let expected = format!("rank {victim} was killed by signal 9 (SIGKILL)");
+        let others_failed = outcome.failures.iter().any(|f| *f != expected);
         std::process::exit(others_failed as i32);
     }
     if let Err(e) = run(victim) {
@@ -94,9 +100,13 @@ fn run(victim: Option<usize>) -> Result<(), String> {
     let t = Instant::now();
     let mut noticed = false;
     for _ in 0..CALLS {
-        if checked_all_reduce(&mut comm, rank, size, 1).is_err() {
-            noticed = true;
-            break;
+        // A failed call is the notice; a wrong sum is not.
+        match sum_of_ranks(&mut comm, rank, 1) {
+            Ok(x) => check(x, rank, size, 1)?,
+            Err(_) => {
+                noticed = true;
+                break;
+            }
         }
     }
     if !noticed {
@@ -132,9 +142,19 @@ fn checked_all_reduce(
     size: usize,
     scale: u64,
 ) -> Result<(), String> {
+    let x = sum_of_ranks(comm, rank, scale).map_err(|e| e.to_string())?;
+    check(x, rank, size, scale)
+}
+
+/// An AllReduce of (rank + 1) * `scale` over the communicator.
+fn sum_of_ranks(comm: &mut Communicator, rank: usize, scale: u64) -> collectives::Result<[u64; 3]> {
     let mut x = [(rank as u64 + 1) * scale; 3];
-    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
-        .map_err(|e| e.to_string())?;
+    comm.all_reduce_in_place(&mut x, ReduceOp::Sum)?;
+    Ok(x)
+}
+
+/// Whether `x` is the sum of (rank + 1) * `scale` over `size` ranks.
+fn check(x: [u64; 3], rank: usize, size: usize, scale: u64) -> Result<(), String> {
     let want = scale * (size * (size + 1) / 2) as u64;
     match x == [want; 3] {
         true => Ok(()),
