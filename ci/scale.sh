@@ -15,8 +15,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ranks="16 32 64 128"
-sizes="-b 8 -e 1M -f 32"
-mpi_sizes="8 256 8192 262144 1048576" # the same sizes
+# One list for both libraries (a -b/-e/-f sweep stops below -e when the
+# factor steps past it: ours had run up to 256 KiB, Open MPI's to 1 MiB).
+sizes="8 256 8192 262144 1048576"
+ours_sizes="--size ${sizes// /,}"
 while [ $# -gt 0 ]; do
     case "$1" in
         --ranks) ranks="$2"; shift 2 ;;
@@ -52,11 +54,11 @@ measure() {
 }
 
 for n in $ranks; do
-    measure "ours-$n" bash -c "target/release/collbench allreduce -n $n $sizes -c 1 --oversubscribe \
-        && target/release/collbench alltoall -n $n $sizes -c 1 --oversubscribe"
+    measure "ours-$n" bash -c "target/release/collbench allreduce -n $n $ours_sizes -c 1 --oversubscribe \
+        && target/release/collbench alltoall -n $n $ours_sizes -c 1 --oversubscribe"
     grep -h "Start-up" "$out/ours-$n.txt" | sed "s/^# */    /" || true
     if [ -n "$mpi" ]; then
-        measure "openmpi-$n" bash -c "mpirun.openmpi --oversubscribe --allow-run-as-root -n $n $mpi allreduce $mpi_sizes \
-            && mpirun.openmpi --oversubscribe --allow-run-as-root -n $n $mpi alltoall $mpi_sizes"
+        measure "openmpi-$n" bash -c "mpirun.openmpi --oversubscribe --allow-run-as-root -n $n $mpi allreduce $sizes \
+            && mpirun.openmpi --oversubscribe --allow-run-as-root -n $n $mpi alltoall $sizes"
     fi
 done

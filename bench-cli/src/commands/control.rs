@@ -8,8 +8,7 @@ use collectives::simulate::control::{self, ControlPrediction};
 use collectives::simulate::Cluster;
 use serde::Serialize;
 
-/// What each name predicts.
-pub const KINDS: [&str; 3] = ["init", "agree", "shrink"];
+use crate::report;
 
 #[derive(Serialize)]
 struct PhaseRow {
@@ -30,25 +29,20 @@ struct Report {
     phases: Vec<PhaseRow>,
 }
 
-/// Prints the prediction of `kind` (one of [`KINDS`]) on `cluster`, and
-/// writes it as JSON to `json` (`-`: standard output) if asked.
-pub fn run(kind: &str, cluster: &Cluster, json: Option<&std::path::Path>) -> Result<(), String> {
-    // A shrink's agreement carries each member's new addresses: an entry.
-    let p = match kind {
-        "init" => control::init(cluster),
-        "agree" => control::agreement(cluster, 0.0),
-        _ => control::agreement(cluster, control::entry_bytes()),
-    };
-    let to_stdout = json.is_some_and(|p| p.as_os_str() == "-");
-    let mut out: Box<dyn Write> = match to_stdout {
-        true => Box::new(std::io::stderr()),
-        false => Box::new(std::io::stdout()),
-    };
-    print(&mut out, kind, cluster, &p).map_err(|e| e.to_string())?;
+/// Prints `p`, the prediction of `kind` on `cluster`, and writes it as
+/// JSON to `json` (`-`: standard output) if asked.
+pub fn report(
+    kind: &str,
+    cluster: &Cluster,
+    p: &ControlPrediction,
+    json: Option<&std::path::Path>,
+) -> Result<(), String> {
+    let mut out = report::table_out(json);
+    print(&mut out, kind, cluster, p).map_err(|e| e.to_string())?;
     let Some(path) = json else {
         return Ok(());
     };
-    let report = Report {
+    let doc = Report {
         predicts: kind.to_string(),
         ranks: p.ranks,
         rounds: p.rounds,
@@ -64,12 +58,7 @@ pub fn run(kind: &str, cluster: &Cluster, json: Option<&std::path::Path>) -> Res
             })
             .collect(),
     };
-    let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-    match to_stdout {
-        true => println!("{text}"),
-        false => std::fs::write(path, text).map_err(|e| format!("{}: {e}", path.display()))?,
-    }
-    Ok(())
+    report::write_json(path, &doc)
 }
 
 fn print(

@@ -1,7 +1,6 @@
 //! `collbench simulate`: predicted time, algbw and busbw per size and
 //! algorithm, in collbench's table layout, from the library's simulator.
 
-use std::fs::File;
 use std::io::{IsTerminal, Write};
 use std::time::{Duration, Instant};
 
@@ -11,6 +10,7 @@ use collectives::Collective;
 use serde::Serialize;
 
 use crate::cli::SimArgs;
+use crate::report;
 
 #[derive(Serialize)]
 struct Row {
@@ -75,26 +75,20 @@ pub fn with_huge_pages(a: &SimArgs) {
 }
 
 pub fn run(a: &SimArgs) -> Result<(), String> {
-    let kind = a.collective.to_ascii_lowercase();
-    if super::control::KINDS.contains(&kind.as_str()) {
-        let cluster = cluster(a);
-        cluster.validate()?;
-        return super::control::run(&kind, &cluster, a.json.as_deref());
-    }
-    let collective = parse_collective(&a.collective)?;
     let cluster = cluster(a);
     cluster.validate()?;
+    let kind = a.collective.to_ascii_lowercase();
+    if let Some(p) = simulate::control::predict(&kind, &cluster) {
+        return super::control::report(&kind, &cluster, &p, a.json.as_deref());
+    }
+    let collective = parse_collective(&a.collective)?;
     let defaults = Pipeline::default();
     let pipeline = Pipeline {
         chunk: a.chunk.map_or(defaults.chunk, |c| c as usize),
         depth: a.depth.unwrap_or(defaults.depth),
     };
     let algos = algorithms(collective, a.algo.as_deref(), &cluster)?;
-    let to_stdout = a.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
-    let mut out: Box<dyn Write> = match to_stdout {
-        true => Box::new(std::io::stderr()),
-        false => Box::new(std::io::stdout()),
-    };
+    let mut out = report::table_out(a.json.as_deref());
     let io = |e: std::io::Error| e.to_string();
     writeln!(out, "# collbench simulate: {collective} on {cluster}").map_err(io)?;
     writeln!(
@@ -193,13 +187,7 @@ pub fn run(a: &SimArgs) -> Result<(), String> {
             dtype: a.dtype.name(),
             results: rows,
         };
-        let text = serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?;
-        match to_stdout {
-            true => println!("{text}"),
-            false => File::create(path)
-                .and_then(|mut f| writeln!(f, "{text}"))
-                .map_err(|e| format!("{}: {e}", path.display()))?,
-        }
+        report::write_json(path, &report)?;
     }
     Ok(())
 }

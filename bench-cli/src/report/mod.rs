@@ -4,9 +4,35 @@
 pub(crate) mod plot;
 
 use std::io::Write;
+use std::path::Path;
 
 use collectives::{DataType, ReduceOp};
 use serde::Serialize;
+
+/// Whether `--json` asks for the document on standard output (`-`).
+pub(crate) fn json_to_stdout(json: Option<&Path>) -> bool {
+    json.is_some_and(|p| p.as_os_str() == "-")
+}
+
+/// Where the human table goes: standard error when the JSON document goes
+/// to standard output, else standard output.
+pub(crate) fn table_out(json: Option<&Path>) -> Box<dyn Write> {
+    match json_to_stdout(json) {
+        true => Box::new(std::io::stderr()),
+        false => Box::new(std::io::stdout()),
+    }
+}
+
+/// Writes `doc` as JSON, pretty and ending in a newline, to `path` (`-`:
+/// standard output).
+pub(crate) fn write_json(path: &Path, doc: &impl Serialize) -> Result<(), String> {
+    let text = serde_json::to_string_pretty(doc).map_err(|e| e.to_string())?;
+    if json_to_stdout(Some(path)) {
+        println!("{text}");
+        return Ok(());
+    }
+    std::fs::write(path, text + "\n").map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
 
 /// One measurement: a size in one mode (out-of-place or in-place).
 #[derive(Clone, Copy, Debug, Serialize)]

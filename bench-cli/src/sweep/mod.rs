@@ -42,11 +42,9 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
     let max_bytes = *sizes.iter().max().unwrap();
     let mut bench = Bench::new(&mut comm, args, collective, max_bytes)?;
     let rank0 = bench.comm.rank() == 0;
-    let json_to_stdout = args.json.as_deref().is_some_and(|p| p.as_os_str() == "-");
-    let mut out: Box<dyn Write> = match (rank0, json_to_stdout) {
-        (false, _) => Box::new(std::io::sink()),
-        (true, false) => Box::new(std::io::stdout()),
-        (true, true) => Box::new(std::io::stderr()),
+    let mut out: Box<dyn Write> = match rank0 {
+        false => Box::new(std::io::sink()),
+        true => report::table_out(args.json.as_deref()),
     };
     let io = |e: std::io::Error| e.to_string();
     if rank0 {
@@ -87,13 +85,7 @@ pub(crate) fn run_rank(collective: Collective, args: &BenchArgs) -> Result<bool,
                 summary: &summary,
                 stats: bench.comm.stats(),
             };
-            let text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
-            if json_to_stdout {
-                println!("{text}");
-            } else {
-                std::fs::write(path, text + "\n")
-                    .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
-            }
+            report::write_json(path, &doc)?;
         }
     }
     Ok(summary.wrong == 0)

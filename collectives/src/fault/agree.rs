@@ -89,7 +89,7 @@ pub(crate) fn agree(
         s.proposal = failed.iter().copied().collect();
         s.payload = payload;
     });
-    let mut pause = Duration::from_millis(1);
+    let mut pause = FIRST_PAUSE;
     let decided = loop {
         let alive: Vec<Rank> = (0..n).filter(|r| !failed.contains(r)).collect();
         let leading = alive.first() == Some(&me);
@@ -190,6 +190,8 @@ pub(crate) fn agree(
     Ok(Outcome { failed, payloads })
 }
 
+/// The first pause between rounds, doubled each round up to [`MOST_PAUSE`].
+pub const FIRST_PAUSE: Duration = Duration::from_millis(1);
 /// The longest pause between rounds.
 pub const MOST_PAUSE: Duration = Duration::from_millis(50);
 /// Children per rank in the tree the non-coordinators ask along.

@@ -123,10 +123,8 @@ pub fn init(cluster: &Cluster) -> ControlPrediction {
     for r in 0..n {
         has[r] = match relay::parent(r) {
             None => replied[r] + table / PARSE,
-            Some(p) => {
-                let sent = has[p] + table / SERIALIZE + 3.0 * l + fanout(p, n) * table / b;
-                replied[r].max(sent) + table / PARSE
-            }
+            // The parent's children all have it when it is done sending.
+            Some(p) => replied[r].max(done[p]) + table / PARSE,
         };
         done[r] = match fanout(r, n) > 0.0 {
             true => has[r] + table / SERIALIZE + 3.0 * l + fanout(r, n) * table / b,
@@ -137,7 +135,8 @@ pub fn init(cluster: &Cluster) -> ControlPrediction {
         relay::FANOUT.min(n) as f64 * table + n.saturating_sub(relay::FANOUT) as f64 * SMALL_REPLY;
     ControlPrediction {
         ranks: n,
-        rounds: 2 + relay::hops(n),
+        // The joins, then the hand-overs down to the last rank.
+        rounds: 1 + relay::hops(n),
         phases: vec![
             Phase {
                 name: "every rank joins the rendezvous",
@@ -155,7 +154,10 @@ pub fn init(cluster: &Cluster) -> ControlPrediction {
                 name: "the table down the relay tree",
                 seconds: done.iter().copied().fold(0.0, f64::max),
                 messages: n.saturating_sub(relay::FANOUT) as u64,
-                busiest_bytes: hub_out.max(relay::FANOUT as f64 * table),
+                busiest_bytes: match n > relay::FANOUT {
+                    true => relay::FANOUT as f64 * table,
+                    false => 0.0,
+                },
             },
         ],
     }
@@ -163,6 +165,20 @@ pub fn init(cluster: &Cluster) -> ControlPrediction {
 
 fn fanout(rank: usize, n: usize) -> f64 {
     relay::children(rank, n).len() as f64
+}
+
+/// What `collbench simulate` can predict of the control plane, by name.
+pub const KINDS: [&str; 3] = ["init", "agree", "shrink"];
+
+/// The prediction named `kind` (one of [`KINDS`]) on `cluster`.
+pub fn predict(kind: &str, cluster: &Cluster) -> Option<ControlPrediction> {
+    match kind {
+        "init" => Some(init(cluster)),
+        "agree" => Some(agreement(cluster, 0.0)),
+        // A shrink's agreement carries each member's new addresses: an entry.
+        "shrink" => Some(agreement(cluster, entry_bytes())),
+        _ => None,
+    }
 }
 
 /// Agreeing that one rank failed, every survivor having noticed it when it
@@ -234,7 +250,7 @@ pub fn agreement(cluster: &Cluster, payload: f64) -> ControlPrediction {
 /// starts, and how many it asked by then.
 fn first_question_after(ready: f64, each: f64) -> (f64, u64) {
     let most = agree::MOST_PAUSE.as_secs_f64();
-    let (mut at, mut pause, mut asked) = (0.0, 1e-3, 1u64);
+    let (mut at, mut pause, mut asked) = (0.0, agree::FIRST_PAUSE.as_secs_f64(), 1u64);
     while at < ready {
         at += each + pause;
         pause = (pause * 2.0).min(most);
@@ -251,7 +267,7 @@ mod tests {
     fn forming_grows_with_the_table_not_the_square() {
         let at = |n| init(&Cluster::roce(n, 8));
         let (small, large) = (at(1000), at(100_000));
-        assert_eq!((small.rounds, large.rounds), (2 + 4, 2 + 6));
+        assert_eq!((small.rounds, large.rounds), (1 + 4, 1 + 6));
         // 100x the ranks: the table is 100x larger and read by each rank,
         // so about 100x the time, not 10,000x.
         let ratio = large.seconds() / small.seconds();
