@@ -50,12 +50,28 @@ pub(super) const PREFAULT: usize = 5 << 20;
 /// How much of all the host's segments a rank maps in when it opens them:
 /// `PREFAULT` each up to 16 ranks, less with more (never less than the
 /// headers). Mapping in 5 MiB of each of 127 peers' segments took 128
-/// ranks on 2 cores 4 s.
+/// ranks on 2 cores 4 s. Its own segment gets the same share: mapped in
+/// whole, the 128 ranks' own segments alone would hold about 512 MiB of
+/// the host's shared memory; a call writes only the slots it uses.
 pub(super) const PREFAULT_BUDGET: usize = 16 * PREFAULT;
 
 /// What [`Segment::map`] maps in of each segment when `ranks` share them.
 pub(super) fn prefault(ranks: usize) -> usize {
     (PREFAULT_BUDGET / ranks.max(1)).clamp(DATA_AT, PREFAULT)
+}
+
+#[cfg(test)]
+mod prefault_budget {
+    use super::*;
+
+    #[test]
+    fn peers_share_the_budget_and_each_keeps_its_header() {
+        assert_eq!(prefault(2), PREFAULT);
+        assert_eq!(prefault(16), PREFAULT);
+        assert_eq!(prefault(32), PREFAULT / 2);
+        assert_eq!(prefault(1 << 20), DATA_AT);
+        assert!((1..=4096).all(|n| prefault(n) * n <= PREFAULT_BUDGET.max(n * DATA_AT)));
+    }
 }
 /// A part of at most `INLINE` bytes follows its header in the same cache
 /// line: a reader of a small call fetches one line per rank, not two.
