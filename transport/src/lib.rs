@@ -111,7 +111,9 @@ pub type Tag = u128;
 /// What a connection says first: which job it belongs to and who is calling.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Hello {
-    /// Per-job secret; a connection carrying another token is refused.
+    /// Per-job secret. It never goes on the wire: the hello carries a proof
+    /// of it ([`proof`]), and a listener refuses a hello not proved under
+    /// its own; in an accepted hello it is that listener's token.
     pub token: u128,
     /// Rank of the side that sends this hello.
     pub from: Rank,
