@@ -18,14 +18,21 @@ impl Communicator {
         // for one of a later call #0 or #1).
         self.tiny = TinyState::Off;
         let seq = self.ids.seq;
-        let created = Tiny::create(max);
+        let created = Tiny::create(max, self.ids.session, self.rank);
         let mine = created.as_ref().map_or([0, 0], |(_, id)| *id);
         let mut ids = vec![0u64; 2 * self.size];
         self.all_gather(&mine, &mut ids)?;
         let ids: Vec<[u64; 2]> = ids.chunks(2).map(|c| [c[0], c[1]]).collect();
-        let opened = created.and_then(|(fd, _)| Tiny::open(self.rank, fd, &ids, max));
+        let opened =
+            created.and_then(|(fd, _)| Tiny::open(self.rank, fd, &ids, max, self.ids.session));
         if let Err(e) = &opened {
-            tracing::info!(rank = self.rank, "COLL_TINY: no flag path: {e}");
+            match e.kind() {
+                // A segment that is not what its rank said: worth a warning.
+                std::io::ErrorKind::InvalidData => {
+                    tracing::warn!(rank = self.rank, "COLL_TINY: no flag path: {e}")
+                }
+                _ => tracing::info!(rank = self.rank, "COLL_TINY: no flag path: {e}"),
+            }
         }
         let mut all = [u64::from(opened.is_ok())];
         self.all_reduce_in_place(&mut all, ReduceOp::Min)?;

@@ -40,8 +40,11 @@
 //! leaves its sequence number and tag in its rank's control line, and a rank
 //! waiting on a flag it never gets reads that and fails with a mismatch.
 //!
-//! Segments are memfds; peers open them through `/proc/PID/fd/FD` (same
-//! rules as reading another process's memory), read-only.
+//! Segments are sealed memfds; peers open them through `/proc/PID/fd/FD`
+//! (same rules as reading another process's memory), read-only, and map
+//! one only if it carries the MAC under the session of the rank it is said
+//! to be (the pid and fd are a member's word, the MAC is not forgeable by
+//! anyone outside the communicator).
 //!
 //! Owns: the flag segments and their protocol. May not touch: the executor
 //! or the communicator (which decides when a call takes this path, in
@@ -49,6 +52,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::sync::atomic::{fence, Ordering};
 use std::time::Duration;
 
@@ -132,28 +136,35 @@ impl Tiny {
     }
 
     /// This rank's segment, and what peers need to open it: (pid, fd).
-    pub fn create(max_bytes: usize) -> std::io::Result<(OwnedFd, [u64; 2])> {
+    /// It carries the proof that it is rank `me`'s of `session` before
+    /// any peer can see it.
+    pub fn create(
+        max_bytes: usize,
+        session: u128,
+        me: Rank,
+    ) -> std::io::Result<(OwnedFd, [u64; 2])> {
         let fd = transport::shm::sealed_memfd("coll-tiny", Segment::bytes(max_bytes))?;
+        File::from(fd.try_clone()?).write_all_at(&owner(session, me), OWNER as u64)?;
         let id = [u64::from(std::process::id()), fd.as_raw_fd() as u64];
         Ok((fd, id))
     }
 
-    /// Maps our segment and opens every peer's (`ids` by rank).
+    /// Maps our segment and opens every peer's (`ids` by rank), each only
+    /// if it is sealed, large enough and rank's own of `session`.
     pub fn open(
         me: Rank,
         own: OwnedFd,
         ids: &[[u64; 2]],
         max_bytes: usize,
+        session: u128,
     ) -> std::io::Result<Self> {
         let mut own = Some(own);
         let prefault = segment::prefault(ids.len());
         let segments = (ids.iter().enumerate())
-            .map(|(r, [pid, fd])| match r == me {
+            .map(|(r, &[pid, fd])| match r == me {
                 true => Segment::map(own.take().expect("once"), max_bytes, true, prefault),
                 false => {
-                    let f = File::open(format!("/proc/{pid}/fd/{fd}"))?;
-                    // A peer's segment it could shrink under our mapping would fault us.
-                    transport::shm::check_sealed(&f, Segment::bytes(max_bytes))?;
+                    let f = open_peer(r, pid, fd, max_bytes, session)?;
                     Segment::map(f.into(), max_bytes, false, prefault)
                 }
             })
@@ -585,6 +596,35 @@ impl Drop for Tiny {
     }
 }
 
+/// The proof a segment carries that it is rank `r`'s of `session`.
+fn owner(session: u128, r: Rank) -> [u8; 16] {
+    transport::proof::mac(session, "flag segment", &[&(r as u64).to_le_bytes()])
+}
+
+/// Rank `r`'s segment, said to be fd `fd` of process `pid`: opened, and
+/// checked before it is mapped. A peer's segment it could shrink under our
+/// mapping would fault us; one without rank `r`'s proof under `session`
+/// is not this communicator's (another job's, another process's).
+fn open_peer(r: Rank, pid: u64, fd: u64, max_bytes: usize, session: u128) -> std::io::Result<File> {
+    let named = |e: std::io::Error| {
+        std::io::Error::new(
+            e.kind(),
+            format!("rank {r}'s segment (pid {pid}, fd {fd}): {e}"),
+        )
+    };
+    let f = File::open(format!("/proc/{pid}/fd/{fd}")).map_err(named)?;
+    transport::shm::check_sealed(&f, Segment::bytes(max_bytes)).map_err(named)?;
+    let mut proof = [0u8; 16];
+    f.read_exact_at(&mut proof, OWNER as u64).map_err(named)?;
+    if proof != owner(session, r) {
+        return Err(named(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "it does not carry this communicator's proof for that rank",
+        )));
+    }
+    Ok(f)
+}
+
 /// A pidfd of process `pid`, if the kernel gives one (Linux 5.3 and later).
 fn pidfd(pid: i32) -> Option<OwnedFd> {
     let pid = rustix::process::Pid::from_raw(pid)?;
@@ -653,5 +693,33 @@ mod tests {
             Segment::bytes(default) <= PREFAULT,
             "raise PREFAULT with COLL_TINY's default"
         );
+    }
+
+    /// What a member who lies about its segment can name instead: another
+    /// communicator's, another rank's of ours, an unsealed file. Each is
+    /// refused, naming the rank, before anything is mapped.
+    #[test]
+    fn a_peer_segment_is_opened_only_with_its_ranks_proof() {
+        let (max, session) = (256, 0x5e55_1011);
+        let open = |ids: &[[u64; 2]]| {
+            let (own, _) = Tiny::create(max, session, 0).unwrap();
+            Tiny::open(0, own, ids, max, session).map(|_| ())
+        };
+        let (_mine, zero) = Tiny::create(max, session, 0).unwrap();
+        let (_peer, one) = Tiny::create(max, session, 1).unwrap();
+        let (_other, other_job) = Tiny::create(max, session + 1, 1).unwrap();
+        let plain = rustix::fs::memfd_create("plain", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&plain, Segment::bytes(max) as u64).unwrap();
+        let unsealed = [u64::from(std::process::id()), plain.as_raw_fd() as u64];
+
+        open(&[zero, one]).unwrap();
+        for (lie, why) in [
+            (other_job, "proof"),
+            (zero, "proof"),
+            (unsealed, "not sealed"),
+        ] {
+            let e = open(&[zero, lie]).unwrap_err().to_string();
+            assert!(e.starts_with("rank 1's segment") && e.contains(why), "{e}");
+        }
     }
 }

@@ -20,6 +20,12 @@ pub(super) const HEADER: usize = 64;
 /// slots) follows the control line; it is written every call and read
 /// seldom, so it shares a line with nothing read often.
 pub(super) const PROGRESS: usize = HEADER;
+/// In the progress line, written once before the segment is shared: the
+/// MAC under the communicator's session of the owner's rank
+/// (`Tiny::create`). A peer's segment is mapped only if it holds the one
+/// for the rank it is said to be: what a member names as its segment
+/// cannot be another process's memfd, whatever pid and fd it gives.
+pub(super) const OWNER: usize = PROGRESS + 16;
 /// The slots' headers follow the progress line, one line each, side by
 /// side: a run of small calls walks consecutive lines of a few pages, not
 /// a page a call (the slots' data is apart, after the last header).
