@@ -173,7 +173,8 @@ pub unsafe extern "C" fn collCommSplit(
 /// The ranks of `comm` that failed, the same set on every survivor (as
 /// ULFM's agreement): every survivor calls it. A rank counts as failed when
 /// its process is gone, its communicator was destroyed, or it does not
-/// answer within 2 s; every wait is bounded by the timeout. Works on a
+/// answer within 2 s (its host cannot be reached for 10 s); every wait is
+/// bounded by the timeout. Works on a
 /// communicator that failed or was aborted. `*count` is the number of
 /// failed ranks; up to `capacity` of them are written to `ranks` (a
 /// `capacity` too small is collInvalidArgument, with `*count` set).

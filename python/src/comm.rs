@@ -369,7 +369,8 @@ impl Communicator {
 
     /// The ranks that failed, the same list on every survivor (each must
     /// call it): their process is gone, their communicator was closed, or
-    /// they did not answer within 2 s. Works after a failure or an abort.
+    /// they did not answer within 2 s (their host could not be reached for
+    /// 10 s). Works after a failure or an abort.
     fn failed_ranks(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
         let pending = self.with(|c| c.failed_ranks())?;
         py.detach(|| pending.wait()).map_err(to_py)

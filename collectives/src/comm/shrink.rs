@@ -26,7 +26,8 @@ impl Communicator {
     /// survivor must call it (as with collectives, in the same order among
     /// its agreement calls). A rank counts as failed when its process is
     /// gone, its communicator was destroyed, or it does not answer within
-    /// 2 s. Works on a communicator that failed or was aborted.
+    /// 2 s (a rank no connection gets through to: when that lasted 10 s).
+    /// Works on a communicator that failed or was aborted.
     pub fn failed_ranks(&mut self) -> Result<Vec<Rank>> {
         let k = self.next_agreement();
         let deadline = Instant::now() + self.config.timeout;

@@ -6,7 +6,10 @@
 //! It runs over the status channel ([`crate::observe::status`]), not the
 //! communicator's connections, which a failure has aborted: each process
 //! answers from its own thread, a dead process refuses the connection, a
-//! stopped one does not answer within 2 s. Each rank publishes a proposal
+//! stopped one does not answer within 2 s, and one no connection gets
+//! through to (a host down or cut off, or a port a flood keeps full) counts
+//! as failed only once that lasted [`UNREACHABLE_FOR`]: a stranger cannot
+//! have a live rank voted out by filling its port's queue for a moment. Each rank publishes a proposal
 //! (the ranks it believes failed) and, in rounds, asks for theirs: the
 //! lowest rank outside its proposal (the coordinator) asks every rank
 //! outside it; every other rank asks only its parent in a tree of the ranks
@@ -15,7 +18,10 @@
 //! more than the coordinator and `FANOUT` children; a proposal or decision
 //! reaches every rank in O(log n) rounds. What an answer does:
 //!
-//! * no answer (or the communicator is gone): that rank failed;
+//! * refused, or no answer to a question its port took (or the
+//!   communicator is gone): that rank failed;
+//! * no connection got through: wait for it, up to [`UNREACHABLE_FOR`]
+//!   since it was first out of reach, then it failed;
 //! * a proposal: add it to ours (proposals only grow);
 //! * "not yet": that rank is alive and has not joined (or not even made
 //!   the communicator yet); wait for it;
@@ -39,7 +45,7 @@
 //! same sequence of agreement calls, as with collectives) and may carry a
 //! payload, the addresses a shrink's new listeners publish.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
@@ -47,7 +53,7 @@ use transport::Rank;
 
 use crate::bootstrap::mesh::Addresses;
 use crate::observe::ballot::{Answer, Decision};
-use crate::observe::status::{self, Board};
+use crate::observe::status::{self, Board, Silence};
 
 /// What an agreement gives: the failed ranks, and each rank's payload.
 pub(crate) struct Outcome {
@@ -90,6 +96,8 @@ pub(crate) fn agree(
         s.payload = payload;
     });
     let mut pause = FIRST_PAUSE;
+    // Since when each rank out of reach has been (see `UNREACHABLE_FOR`).
+    let mut out_of_reach: HashMap<Rank, Instant> = HashMap::new();
     let decided = loop {
         let alive: Vec<Rank> = (0..n).filter(|r| !failed.contains(r)).collect();
         let leading = alive.first() == Some(&me);
@@ -100,7 +108,7 @@ pub(crate) fn agree(
             .collect();
         let before = failed.clone();
         let (mut settled, mut adopted) = (true, None);
-        let mut not_yet = Vec::new();
+        let (mut not_yet, mut unreached) = (Vec::new(), Vec::new());
         for (r, answer) in ask_all(&asked, session, k, n) {
             tracing::debug!(
                 rank = me,
@@ -109,15 +117,28 @@ pub(crate) fn agree(
                 ?answer,
                 "agreement answer"
             );
+            if !matches!(answer, Err(Silence::Unreachable)) {
+                out_of_reach.remove(&r);
+            }
             match answer {
-                None | Some(Answer::Left) => {
+                Err(Silence::Unreachable) => {
+                    let since = *out_of_reach.entry(r).or_insert_with(Instant::now);
+                    match since.elapsed() >= UNREACHABLE_FOR {
+                        true => drop(failed.insert(r)),
+                        false => {
+                            settled = false;
+                            unreached.push(r);
+                        }
+                    }
+                }
+                Err(_) | Ok(Answer::Left) => {
                     failed.insert(r);
                 }
-                Some(Answer::NotYet) => {
+                Ok(Answer::NotYet) => {
                     settled = false;
                     not_yet.push(r);
                 }
-                Some(Answer::Proposing {
+                Ok(Answer::Proposing {
                     failed: theirs,
                     payload,
                 }) => {
@@ -125,7 +146,7 @@ pub(crate) fn agree(
                     settled &= theirs.iter().copied().eq(before.iter().copied());
                     failed.extend(theirs.into_iter().filter(|r| *r < n));
                 }
-                Some(Answer::Decided(d)) => {
+                Ok(Answer::Decided(d)) => {
                     // The decider's payloads; ours stays ours.
                     for (q, p) in d.payloads.into_iter().enumerate().take(n) {
                         if q != me {
@@ -151,6 +172,10 @@ pub(crate) fn agree(
         }
         if Instant::now() > deadline {
             let why = match (not_yet.is_empty(), leading) {
+                _ if !unreached.is_empty() => format!(
+                    "rank(s) {} could not be reached (host down or cut off, or its status port flooded)",
+                    status::list(&unreached)
+                ),
                 (false, _) => format!(
                     "rank(s) {} have not joined it (every survivor must make the same agreement calls)",
                     status::list(&not_yet)
@@ -194,6 +219,13 @@ pub(crate) fn agree(
 pub const FIRST_PAUSE: Duration = Duration::from_millis(1);
 /// The longest pause between rounds.
 pub const MOST_PAUSE: Duration = Duration::from_millis(50);
+/// How long a rank no connection gets through to may stay out of reach
+/// before it counts as failed. A host that died is noticed this late (a
+/// process that died, or stopped, within 2 s); in exchange, to have a live
+/// rank voted out a flood must keep its port's queue full through every
+/// fresh attempt of 10 s (about 30; `status::ask`), which is cutting the
+/// host off the network.
+pub const UNREACHABLE_FOR: Duration = Duration::from_secs(10);
 /// Children per rank in the tree the non-coordinators ask along.
 pub const FANOUT: usize = 32;
 
@@ -208,17 +240,19 @@ pub fn parent(alive: &[Rank], me: Rank) -> Rank {
     alive[at.saturating_sub(1) / FANOUT]
 }
 
-/// Every rank's answer about agreement `k` among `n` (`None`: no answer in time).
+/// Every rank's answer about agreement `k` among `n`, or why it gave none
+/// (an answer that does not parse counts as none from a live process).
 fn ask_all(
     ranks: &[(Rank, Option<SocketAddr>)],
     session: u128,
     k: u32,
     n: usize,
-) -> Vec<(Rank, Option<Answer>)> {
+) -> Vec<(Rank, Result<Answer, Silence>)> {
     let question = status::question(status::AGREEMENT, session, k);
+    let parse = |b: Vec<u8>| serde_json::from_slice(&b).map_err(|_| Silence::Mute);
     status::ask_each(ranks, &question, status::agreement_answer_max(n))
         .into_iter()
-        .map(|(r, bytes)| (r, bytes.and_then(|b| serde_json::from_slice(&b).ok())))
+        .map(|(r, bytes)| (r, bytes.and_then(parse)))
         .collect()
 }
 
@@ -241,5 +275,72 @@ mod tests {
             assert!(hops <= 4, "rank {r}: {hops} hops");
         }
         assert!(askers.iter().all(|a| *a <= FANOUT));
+    }
+
+    /// Rank 0 coordinates an agreement with a rank 1 whose port is out of
+    /// reach (its queue full) for `for_` and then answers as a live rank
+    /// proposing nothing (`None`: never). Returns what rank 0 agreed and
+    /// when.
+    fn agree_with_a_rank_out_of_reach(for_: Option<Duration>) -> (Vec<Rank>, Duration) {
+        let (full, held) = crate::observe::status::tests::full_queue();
+        let addresses = [None, Some(full.local_addr().unwrap())];
+        // Never: the port stays open, its queue full, until the end.
+        let (mut kept, mut live) = (None, None);
+        match for_ {
+            None => kept = Some((full, held)),
+            Some(d) => {
+                live = Some(std::thread::spawn(move || {
+                    std::thread::sleep(d);
+                    drop(held);
+                    full.set_nonblocking(true).unwrap();
+                    let proposal = Answer::Proposing {
+                        failed: vec![],
+                        payload: None,
+                    };
+                    let by = Instant::now() + Duration::from_secs(5);
+                    while Instant::now() < by {
+                        let Ok((mut s, _)) = full.accept() else {
+                            std::thread::sleep(Duration::from_millis(5));
+                            continue;
+                        };
+                        s.set_nonblocking(false).unwrap();
+                        let mut q = [0u8; 24];
+                        if std::io::Read::read_exact(&mut s, &mut q).is_ok() {
+                            serde_json::to_writer(&mut s, &proposal).unwrap();
+                        }
+                    }
+                }))
+            }
+        }
+        let board = Board::default();
+        let members = Members {
+            me: 0,
+            addresses: &addresses,
+            session: 0xa9ee,
+            board: &board,
+        };
+        let t = Instant::now();
+        let deadline = t + Duration::from_secs(30);
+        let outcome = agree(&members, 1, BTreeSet::new(), None, deadline).unwrap();
+        let took = t.elapsed();
+        if let Some(h) = live {
+            h.join().unwrap();
+        }
+        drop(kept);
+        (outcome.failed, took)
+    }
+
+    #[test]
+    fn a_live_rank_out_of_reach_for_a_while_is_not_voted_out() {
+        let (failed, took) = agree_with_a_rank_out_of_reach(Some(Duration::from_secs(4)));
+        assert_eq!(failed, Vec::<Rank>::new());
+        assert!(took >= Duration::from_secs(4), "{took:?}");
+    }
+
+    #[test]
+    fn a_rank_out_of_reach_for_too_long_counts_as_failed() {
+        let (failed, took) = agree_with_a_rank_out_of_reach(None);
+        assert_eq!(failed, vec![1]);
+        assert!(took >= UNREACHABLE_FOR, "{took:?}");
     }
 }

@@ -626,22 +626,97 @@ pub(crate) fn agreement_answer_max(n: usize) -> u64 {
     ANSWER_MAX + 1024 * n as u64
 }
 
-/// Asks the process at `addr` `question`; its answer, unless it gives none
-/// within `within`.
-fn ask(addr: SocketAddr, question: &[u8], within: Duration, limit: u64) -> Option<Vec<u8>> {
-    let mut s = TcpStream::connect_timeout(&addr, within).ok()?;
-    s.set_read_timeout(Some(within)).ok()?;
-    s.set_write_timeout(Some(within)).ok()?;
-    s.write_all(question).ok()?;
+/// Why a rank gave no answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Silence {
+    /// Nothing listens at its address (or it published none): its process
+    /// is gone.
+    Gone,
+    /// Its port took the question and no answer came in time: the process
+    /// is stopped or hung. A stranger's flood cannot cause this: a question
+    /// that comes with its connection is answered as it is accepted.
+    Mute,
+    /// No connection got through in time (or each was closed unanswered):
+    /// its host is down or cut off, or a flood keeps its port's queue full.
+    /// Not proof of death on its own (see `fault::agree::UNREACHABLE_FOR`).
+    Unreachable,
+}
+
+/// A connection attempt waits this long at first, twice as long at each
+/// next, up to `LONGEST_TRY`; each is a fresh SYN. A kernel whose listen
+/// queue is full drops SYNs, and left to itself resends one only after 1
+/// s, then 3: within 2 s that is two tries at a queue a flood keeps full,
+/// where fresh attempts make about six, each a new chance at a freed place.
+const FIRST_TRY: Duration = Duration::from_millis(50);
+const LONGEST_TRY: Duration = Duration::from_secs(1);
+
+/// Asks the process at `addr` `question`: its answer (at most `limit`
+/// bytes), or why there is none. Connections are tried for `within`; an
+/// answer has `within` from when one got through.
+fn ask(
+    addr: SocketAddr,
+    question: &[u8],
+    within: Duration,
+    limit: u64,
+) -> Result<Vec<u8>, Silence> {
+    let by = Instant::now() + within;
+    let mut attempt = FIRST_TRY;
+    loop {
+        let left = by.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Silence::Unreachable);
+        }
+        let try_for = left.min(attempt);
+        attempt = (attempt * 2).min(LONGEST_TRY);
+        let mut s = match TcpStream::connect_timeout(&addr, try_for) {
+            Ok(s) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => {
+                return Err(Silence::Gone)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => continue,
+            // Say, no route to the host: the kernel answers at once, so wait.
+            Err(_) => {
+                std::thread::sleep(try_for);
+                continue;
+            }
+        };
+        match answer_on(&mut s, question, within, limit) {
+            // Closed with nothing said: the port dropped it. Ask again.
+            Ok(a) if a.is_empty() => continue,
+            Ok(a) => return Ok(a),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
+                return Err(Silence::Mute)
+            }
+            // Reset: it died while answering (the next try is refused), or the port dropped it.
+            Err(_) => continue,
+        }
+    }
+}
+
+/// Writes `question` on `s` and reads the answer, up to `limit` bytes.
+fn answer_on(
+    s: &mut TcpStream,
+    question: &[u8],
+    within: Duration,
+    limit: u64,
+) -> std::io::Result<Vec<u8>> {
+    s.set_read_timeout(Some(within))?;
+    s.set_write_timeout(Some(within))?;
+    s.write_all(question)?;
     let mut a = Vec::new();
-    (&mut s).take(limit).read_to_end(&mut a).ok()?;
-    Some(a)
+    s.take(limit).read_to_end(&mut a)?;
+    Ok(a)
 }
 
 /// Asks a rank at `addr` (`None`: it published none) `question`, within
 /// [`ANSWER_WITHIN`].
-fn ask_rank(addr: Option<SocketAddr>, question: &[u8], limit: u64) -> Option<Vec<u8>> {
-    ask(addr?, question, ANSWER_WITHIN, limit)
+fn ask_rank(addr: Option<SocketAddr>, question: &[u8], limit: u64) -> Result<Vec<u8>, Silence> {
+    ask(addr.ok_or(Silence::Gone)?, question, ANSWER_WITHIN, limit)
 }
 
 /// Asks each rank (`None`: it published no address) `question`, at most
@@ -650,7 +725,7 @@ pub(crate) fn ask_each(
     ranks: &[(Rank, Option<SocketAddr>)],
     question: &[u8],
     limit: u64,
-) -> Vec<(Rank, Option<Vec<u8>>)> {
+) -> Vec<(Rank, Result<Vec<u8>, Silence>)> {
     let mut answers = Vec::with_capacity(ranks.len());
     // One question (what most ranks of an agreement ask) needs no thread.
     if let [(r, a)] = ranks {
@@ -663,7 +738,7 @@ pub(crate) fn ask_each(
                 .map(|&(r, a)| (r, s.spawn(move || ask_rank(a, question, limit))))
                 .collect();
             for (r, h) in asked {
-                answers.push((r, h.join().ok().flatten()));
+                answers.push((r, h.join().unwrap_or(Err(Silence::Mute))));
             }
         });
     }
@@ -716,7 +791,7 @@ fn ask_everyone(
         .map(|(r, a)| (r, *a))
         .collect();
     for (r, answer) in ask_each(&others, q, ANSWER_MAX) {
-        states[r].position = answer.and_then(|a| parse_answer(&a));
+        states[r].position = answer.ok().and_then(|a| parse_answer(&a));
     }
     states
 }
@@ -738,7 +813,7 @@ fn follow_waits(
         if states.len() > CHAIN_MOST || states.iter().any(|s| s.rank == r) {
             break;
         }
-        let position = ask_rank(addresses[r], q, ANSWER_MAX).and_then(|a| parse_answer(&a));
+        let position = (ask_rank(addresses[r], q, ANSWER_MAX).ok()).and_then(|a| parse_answer(&a));
         next = position.as_ref().and_then(|p| p.waiting_on);
         states.push(RankState { rank: r, position });
     }
@@ -746,7 +821,7 @@ fn follow_waits(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::{DataType, ReduceOp};
 
@@ -937,7 +1012,7 @@ mod tests {
         let (mut asked, mut answered) = (0, 0);
         while asked < 5 || made.load(Ordering::Relaxed) < 3 * HOLD {
             let a = ask(addr, &question(POSITION, 1, 0), ANSWER_WITHIN, ANSWER_MAX);
-            answered += usize::from(a.is_some_and(|a| parse_answer(&a).is_some()));
+            answered += usize::from(a.is_ok_and(|a| parse_answer(&a).is_some()));
             asked += 1;
         }
         flooding.join().unwrap();
@@ -984,5 +1059,58 @@ mod tests {
             .set_read_timeout(Some(Duration::from_secs(2)))
             .unwrap();
         assert_eq!(flood[0].read(&mut byte).unwrap(), 0);
+    }
+
+    /// A listener on loopback whose queue of one is taken: every SYN to it
+    /// is dropped, as when a flood keeps a port's queue full. Returns it
+    /// and the connection holding the place.
+    pub(crate) fn full_queue() -> (TcpListener, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        rustix::net::listen(&l, 0).unwrap();
+        let held = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        (l, held)
+    }
+
+    #[test]
+    fn a_gone_a_mute_and_an_unreachable_rank_are_told_apart() {
+        let within = Duration::from_millis(400);
+        let ask = |addr| ask(addr, b"q", within, ANSWER_MAX).unwrap_err();
+        let closed = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        assert_eq!(ask(closed), Silence::Gone);
+        let mute = TcpListener::bind("127.0.0.1:0").unwrap();
+        assert_eq!(ask(mute.local_addr().unwrap()), Silence::Mute);
+        let (full, _held) = full_queue();
+        let t = Instant::now();
+        assert_eq!(ask(full.local_addr().unwrap()), Silence::Unreachable);
+        assert!(t.elapsed() < 2 * within, "{:?}", t.elapsed());
+    }
+
+    /// A queue that frees 1.2 s into a 2 s question: a single connect
+    /// would not get through (the kernel resends its SYN at 1 s, then 3),
+    /// fresh attempts do.
+    #[test]
+    fn a_port_whose_queue_frees_before_the_deadline_is_reached() {
+        let (full, held) = full_queue();
+        let addr = full.local_addr().unwrap();
+        let serving = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(1200));
+            drop(held);
+            for s in full.incoming().take(3) {
+                let mut s = s.unwrap();
+                let mut q = [0u8; 1];
+                if s.read_exact(&mut q).is_ok() {
+                    s.write_all(b"here").unwrap();
+                    return;
+                }
+            }
+        });
+        assert_eq!(
+            ask(addr, b"q", ANSWER_WITHIN, ANSWER_MAX).as_deref(),
+            Ok(&b"here"[..])
+        );
+        serving.join().unwrap();
     }
 }
