@@ -132,3 +132,66 @@ impl Drop for Mapped {
         let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    use proptest::prelude::*;
+    use rustix::fs::{fstat, ftruncate, memfd_create, MemfdFlags};
+
+    use super::*;
+
+    const LEN: usize = 4096;
+
+    /// A memfd of `LEN` bytes, each its offset mod 251, sealed or not; its
+    /// descriptor number and inode, as a peer would describe it.
+    fn buffer(sealed: bool) -> (OwnedFd, i32, u64) {
+        let fd = match sealed {
+            true => crate::shm::sealed_memfd("test", LEN).unwrap(),
+            false => {
+                let fd = memfd_create("test", MemfdFlags::CLOEXEC).unwrap();
+                ftruncate(&fd, LEN as u64).unwrap();
+                fd
+            }
+        };
+        let bytes: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+        rustix::io::pwrite(&fd, &bytes, 0).unwrap();
+        let ino = fstat(&fd).unwrap().st_ino;
+        let raw = fd.as_raw_fd();
+        (fd, raw, ino)
+    }
+
+    /// An unsealed file (its owner could shrink it under our mapping) and
+    /// a descriptor that names another file are never mapped.
+    #[test]
+    fn only_a_sealed_file_that_is_the_one_described_is_mapped() {
+        let mut maps = PeerMaps::new(1, std::process::id() as i32);
+        let (_unsealed, fd, ino) = buffer(false);
+        assert!(maps.locate(fd, ino, 0, 1).is_none());
+        let (_sealed, fd, ino) = buffer(true);
+        assert!(maps.locate(fd, ino + 1, 0, 1).is_none(), "another inode");
+        assert!(maps.locate(fd, ino, 0, 1).is_some());
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Whatever offset and length a peer writes, a range is given only
+        /// if it lies in the file, and then it holds the file's bytes.
+        #[test]
+        fn a_range_is_given_only_inside_the_file(offset in prop_oneof![0..LEN + 8, Just(usize::MAX), any::<usize>()],
+                                                 len in prop_oneof![0..LEN + 8, Just(usize::MAX), any::<usize>()]) {
+            let (_file, fd, ino) = buffer(true);
+            let mut maps = PeerMaps::new(1, std::process::id() as i32);
+            let inside = offset.checked_add(len).is_some_and(|end| end <= LEN);
+            let got = maps.locate(fd, ino, offset, len);
+            prop_assert_eq!(got.is_some(), inside);
+            if let (Some(p), true) = (got, len > 0) {
+                // SAFETY: `locate` said these `len` bytes lie in our mapping.
+                let bytes = unsafe { std::slice::from_raw_parts(p, len) };
+                prop_assert!(bytes.iter().enumerate().all(|(i, b)| *b == ((offset + i) % 251) as u8));
+            }
+        }
+    }
+}
