@@ -33,7 +33,12 @@
 //!   others agree, shrink and finish every step (collectives and grouped
 //!   send/recv), checked;
 //! * `usr1`: rank 0, blocked in a receive rank 1 answers after 1 s, gets
-//!   SIGUSR1 and dumps its flight record meanwhile.
+//!   SIGUSR1 and dumps its flight record meanwhile;
+//! * `scribble`: rank 1 turns hostile: for 3 s it writes random words over
+//!   every shared memory it can write (its own mappings of memfds: the
+//!   connections' segments, its flag segment) while it keeps calling; the
+//!   others call AllReduces and AllToAlls between guard words and check
+//!   them after every call, until one fails.
 //!
 //! Each rank prints `pid RANK PID` first, and `ok RANK` when MODE succeeded.
 
@@ -121,6 +126,7 @@ fn run(mode: &[String]) -> Result<(), String> {
         "pause" => pause(&mut comm),
         "skip" | "different" => odd_call(&mut comm, name == "skip").map_err(e),
         "usr1" => usr1(&mut comm).map_err(e),
+        "scribble" => scribble(&mut comm),
         "behind" => behind(&mut comm).map_err(e),
         "group-die" => group_die(&mut comm),
         "split" => split(&mut comm),
@@ -555,6 +561,108 @@ fn mix(mut x: u64) -> u64 {
     x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     x ^ (x >> 31)
+}
+
+/// Guard words on each side of every buffer of `scribble`.
+const GUARD: usize = 16;
+const GUARD_WORD: f32 = -7.25;
+
+/// `scribble` (see the header). An honest rank returns the error its calls
+/// ended with, or says that guard words changed.
+fn scribble(comm: &mut Communicator) -> Result<(), String> {
+    let rank = comm.rank();
+    // Connections and the flag path up and used first.
+    for count in [1usize, 1000, 40_000] {
+        let mut x = vec![1f32; count];
+        comm.all_reduce_in_place(&mut x, ReduceOp::Sum)
+            .map_err(|e| e.to_string())?;
+    }
+    // Rank 1 makes the same calls (no disagreement to catch), scribbling.
+    let until = std::time::Instant::now() + Duration::from_secs(3);
+    if rank == 1 {
+        std::thread::spawn(move || scribble_until(until));
+    }
+    let guarded = |count: usize| vec![GUARD_WORD; count + 2 * GUARD];
+    let intact = |b: &[f32]| {
+        let n = b.len();
+        b[..GUARD]
+            .iter()
+            .chain(&b[n - GUARD..])
+            .all(|w| *w == GUARD_WORD)
+    };
+    for call in 0u64.. {
+        if rank == 1 && std::time::Instant::now() > until {
+            println!("ok 1");
+            // Not through main: its communicator is in no state to be dropped.
+            std::process::exit(0);
+        }
+        let count = [1, 7, 1000, 16_384, 300_000][(call % 5) as usize];
+        let (mut a, mut b) = (guarded(count * comm.size()), guarded(count * comm.size()));
+        let n = a.len();
+        a[GUARD..n - GUARD].fill(1.0);
+        let result = match call % 2 {
+            0 => comm.all_reduce_in_place(&mut a[GUARD..n - GUARD], ReduceOp::Sum),
+            _ => comm.all_to_all(&a[GUARD..n - GUARD], &mut b[GUARD..n - GUARD]),
+        };
+        if rank == 1 {
+            continue;
+        }
+        if !intact(&a) || !intact(&b) {
+            return Err(format!(
+                "rank {rank}: guard words around call {call}'s buffers changed"
+            ));
+        }
+        result.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Writes random words, and words a descriptor might hold at its limits,
+/// at random places of every shared mapping of a memfd this process can
+/// write, over and over until `until`.
+fn scribble_until(until: std::time::Instant) {
+    let mut x = unix_us() as u64;
+    let extremes = [
+        0,
+        1,
+        u64::MAX,
+        u64::MAX / 2 + 1,
+        u32::MAX as u64,
+        4096,
+        1 << 40,
+    ];
+    while std::time::Instant::now() < until {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap_or_default();
+        for line in maps.lines().filter(|l| l.contains("memfd:")) {
+            let mut fields = line.split_whitespace();
+            let (Some(range), Some(perms)) = (fields.next(), fields.next()) else {
+                continue;
+            };
+            let Some((lo, hi)) = range.split_once('-') else {
+                continue;
+            };
+            let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+            else {
+                continue;
+            };
+            if !perms.starts_with("rw") || !perms.ends_with('s') {
+                continue;
+            }
+            for _ in 0..64 {
+                x = mix(x);
+                let at = lo + (x as usize % (hi - lo)) / 8 * 8;
+                let word = match x >> 61 {
+                    0..=3 => mix(x),
+                    k => extremes[(mix(x) % extremes.len() as u64) as usize] ^ (k & 1),
+                };
+                // SAFETY: none. This is the hostile rank: it writes into its
+                // own shared mappings (found in /proc/self/maps, writable,
+                // 8-aligned inside) under its library's feet, on purpose.
+                unsafe { (at as *mut u64).write_volatile(word) };
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
 }
 
 /// `elastic SEED STEPS`: the seed picks one or two victims, each of which

@@ -88,7 +88,11 @@ impl Error {
                 ours: CallDesc::from_tag(expected_tag).unwrap_or(op),
                 theirs: match CallDesc::from_tag(got_tag) {
                     Some(t) if t.tag() != op.tag() => t.to_string(),
-                    _ => format!("the same operation but a message of {got_len} bytes where {expected_len} were expected"),
+                    None => format!("a message whose tag {got_tag:#x} names no call"),
+                    Some(_) if got_len == expected_len => format!(
+                        "the same operation but a message tagged {got_tag:#x} where {expected_tag:#x} was expected"
+                    ),
+                    Some(_) => format!("the same operation but a message of {got_len} bytes where {expected_len} were expected"),
                 },
             },
             source => Error::Collective { rank, op, source },
