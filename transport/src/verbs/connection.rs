@@ -267,9 +267,8 @@ impl VerbsConnection {
             attr.setup_state(QueuePairState::Init)
                 .setup_pkey_index(0)
                 .setup_port(port.port)
-                .setup_access_flags(
-                    AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead,
-                );
+                // Peers write into what we granted; nothing reads remotely.
+                .setup_access_flags(AccessFlags::LocalWrite | AccessFlags::RemoteWrite);
             qp.modify(&attr)
                 .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
             qps.push(qp);

@@ -163,7 +163,9 @@ impl Transport for VerbsTransport {
         if len == 0 {
             return Ok(MemRegion::plain(addr, len));
         }
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite | AccessFlags::RemoteRead;
+        // No remote read: the protocol never posts an RDMA READ, and with it
+        // a peer holding the key could read the region whenever it liked.
+        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
         // SAFETY: registration pins the pages; the isend/irecv contract keeps
         // them valid while a request uses them.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
