@@ -596,9 +596,13 @@ impl Drop for Tiny {
     }
 }
 
+/// The label of a segment's proof that it is rank r's of a session: the
+/// MAC under the session of r (`create` writes it, `open_peer` checks it).
+const OWNER_LABEL: &str = "flag segment";
+
 /// The proof a segment carries that it is rank `r`'s of `session`.
 fn owner(session: u128, r: Rank) -> [u8; 16] {
-    transport::proof::mac(session, "flag segment", &[&(r as u64).to_le_bytes()])
+    transport::proof::mac(session, OWNER_LABEL, &[&(r as u64).to_le_bytes()])
 }
 
 /// Rank `r`'s segment, said to be fd `fd` of process `pid`: opened, and
@@ -616,7 +620,8 @@ fn open_peer(r: Rank, pid: u64, fd: u64, max_bytes: usize, session: u128) -> std
     transport::shm::check_sealed(&f, Segment::bytes(max_bytes)).map_err(named)?;
     let mut proof = [0u8; 16];
     f.read_exact_at(&mut proof, OWNER as u64).map_err(named)?;
-    if proof != owner(session, r) {
+    let rank = (r as u64).to_le_bytes();
+    if !transport::proof::verify(session, OWNER_LABEL, &[&rank], &proof) {
         return Err(named(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             "it does not carry this communicator's proof for that rank",
