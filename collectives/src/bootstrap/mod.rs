@@ -435,10 +435,15 @@ fn fnv1a(bytes: &[u8]) -> u128 {
     h
 }
 
-/// A token derived from `parent` and `salt`: what the members of a split
-/// all compute alike, and nobody else presents.
+/// A token derived from `parent` and `salt` (a MAC under `parent`): what
+/// the members of a job, a split or a shrink all compute alike, and nobody
+/// without `parent` can.
 pub(crate) fn derive_token(parent: u128, salt: &str) -> u128 {
-    fnv1a(format!("{parent:032x}/{salt}").as_bytes())
+    u128::from_le_bytes(transport::proof::mac(
+        parent,
+        "derived token",
+        &[salt.as_bytes()],
+    ))
 }
 
 /// A fresh random token (a secret: from the kernel, with no weaker fallback).

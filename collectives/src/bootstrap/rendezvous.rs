@@ -109,7 +109,7 @@ pub(crate) enum Welcome {
 
 /// The session token of a job of token `job` whose rendezvous chose `nonce`.
 fn session_of(job: u128, nonce: &str) -> u128 {
-    u128::from_le_bytes(transport::proof::mac(job, "session", &[nonce.as_bytes()]))
+    super::derive_token(job, &format!("session {nonce}"))
 }
 
 /// What every rank learns at the rendezvous.
