@@ -9,8 +9,9 @@
 //! stopped one does not answer within 2 s, and one no connection gets
 //! through to (a host down or cut off, or a port a flood keeps full) counts
 //! as failed only once that lasted [`UNREACHABLE_FOR`]: a stranger cannot
-//! have a live rank voted out by filling its port's queue for a moment. Each rank publishes a proposal
-//! (the ranks it believes failed) and, in rounds, asks for theirs: the
+//! have a live rank voted out by filling its port's queue for a moment.
+//! Each rank publishes a proposal (the ranks it believes failed) and, in
+//! rounds, asks for theirs: the
 //! lowest rank outside its proposal (the coordinator) asks every rank
 //! outside it; every other rank asks only its parent in a tree of the ranks
 //! outside its proposal, rooted at the coordinator, `FANOUT` children each.
@@ -282,36 +283,17 @@ mod tests {
     /// proposing nothing (`None`: never). Returns what rank 0 agreed and
     /// when.
     fn agree_with_a_rank_out_of_reach(for_: Option<Duration>) -> (Vec<Rank>, Duration) {
-        let (full, held) = crate::observe::status::tests::full_queue();
-        let addresses = [None, Some(full.local_addr().unwrap())];
+        use crate::observe::status::tests::{answer_after, full_queue};
+        let mut port = Some(full_queue());
+        let addresses = [None, Some(port.as_ref().unwrap().0.local_addr().unwrap())];
+        let proposal = Answer::Proposing {
+            failed: vec![],
+            payload: None,
+        };
+        let reply = serde_json::to_vec(&proposal).unwrap();
+        let question_len = status::question(status::AGREEMENT, 0, 0).len();
         // Never: the port stays open, its queue full, until the end.
-        let (mut kept, mut live) = (None, None);
-        match for_ {
-            None => kept = Some((full, held)),
-            Some(d) => {
-                live = Some(std::thread::spawn(move || {
-                    std::thread::sleep(d);
-                    drop(held);
-                    full.set_nonblocking(true).unwrap();
-                    let proposal = Answer::Proposing {
-                        failed: vec![],
-                        payload: None,
-                    };
-                    let by = Instant::now() + Duration::from_secs(5);
-                    while Instant::now() < by {
-                        let Ok((mut s, _)) = full.accept() else {
-                            std::thread::sleep(Duration::from_millis(5));
-                            continue;
-                        };
-                        s.set_nonblocking(false).unwrap();
-                        let mut q = [0u8; 24];
-                        if std::io::Read::read_exact(&mut s, &mut q).is_ok() {
-                            serde_json::to_writer(&mut s, &proposal).unwrap();
-                        }
-                    }
-                }))
-            }
-        }
+        let live = for_.map(|d| answer_after(port.take().unwrap(), d, question_len, reply));
         let board = Board::default();
         let members = Members {
             me: 0,
@@ -326,7 +308,7 @@ mod tests {
         if let Some(h) = live {
             h.join().unwrap();
         }
-        drop(kept);
+        drop(port);
         (outcome.failed, took)
     }
 

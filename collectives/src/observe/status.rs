@@ -1088,25 +1088,41 @@ pub(crate) mod tests {
         assert!(t.elapsed() < 2 * within, "{:?}", t.elapsed());
     }
 
+    /// Frees the queue of `full_queue`'s port after `after`, then answers
+    /// every question of `question_len` bytes with `reply` for 5 s.
+    pub(crate) fn answer_after(
+        (full, held): (TcpListener, TcpStream),
+        after: Duration,
+        question_len: usize,
+        reply: Vec<u8>,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            drop(held);
+            full.set_nonblocking(true).unwrap();
+            let by = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < by {
+                let Ok((mut s, _)) = full.accept() else {
+                    std::thread::sleep(Duration::from_millis(5));
+                    continue;
+                };
+                s.set_nonblocking(false).unwrap();
+                let mut q = vec![0u8; question_len];
+                if s.read_exact(&mut q).is_ok() {
+                    s.write_all(&reply).unwrap();
+                }
+            }
+        })
+    }
+
     /// A queue that frees 1.2 s into a 2 s question: a single connect
     /// would not get through (the kernel resends its SYN at 1 s, then 3),
     /// fresh attempts do.
     #[test]
     fn a_port_whose_queue_frees_before_the_deadline_is_reached() {
-        let (full, held) = full_queue();
-        let addr = full.local_addr().unwrap();
-        let serving = std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(1200));
-            drop(held);
-            for s in full.incoming().take(3) {
-                let mut s = s.unwrap();
-                let mut q = [0u8; 1];
-                if s.read_exact(&mut q).is_ok() {
-                    s.write_all(b"here").unwrap();
-                    return;
-                }
-            }
-        });
+        let port = full_queue();
+        let addr = port.0.local_addr().unwrap();
+        let serving = answer_after(port, Duration::from_millis(1200), 1, b"here".to_vec());
         assert_eq!(
             ask(addr, b"q", ANSWER_WITHIN, ANSWER_MAX).as_deref(),
             Ok(&b"here"[..])
