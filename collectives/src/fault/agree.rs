@@ -11,10 +11,10 @@
 //! as failed only once that lasted [`UNREACHABLE_FOR`]: a stranger cannot
 //! have a live rank voted out by filling its port's queue for a moment.
 //! Each rank publishes a proposal (the ranks it believes failed) and, in
-//! rounds, asks for theirs: the
-//! lowest rank outside its proposal (the coordinator) asks every rank
-//! outside it; every other rank asks only its parent in a tree of the ranks
-//! outside its proposal, rooted at the coordinator, `FANOUT` children each.
+//! rounds, asks for theirs: the lowest rank outside its proposal (the
+//! coordinator) asks every rank outside it; every other rank asks only its
+//! parent in a tree of the ranks outside its proposal, rooted at the
+//! coordinator, `FANOUT` children each.
 //! A round costs O(n) questions, not O(n^2); no status port is asked by
 //! more than the coordinator and `FANOUT` children; a proposal or decision
 //! reaches every rank in O(log n) rounds. What an answer does:

@@ -66,19 +66,6 @@ pub(super) fn prefault(ranks: usize) -> usize {
     (PREFAULT_BUDGET / ranks.max(1)).clamp(DATA_AT, PREFAULT)
 }
 
-#[cfg(test)]
-mod prefault_budget {
-    use super::*;
-
-    #[test]
-    fn peers_share_the_budget_and_each_keeps_its_header() {
-        assert_eq!(prefault(2), PREFAULT);
-        assert_eq!(prefault(16), PREFAULT);
-        assert_eq!(prefault(32), PREFAULT / 2);
-        assert_eq!(prefault(1 << 20), DATA_AT);
-        assert!((1..=4096).all(|n| prefault(n) * n <= PREFAULT_BUDGET.max(n * DATA_AT)));
-    }
-}
 /// A part of at most `INLINE` bytes follows its header in the same cache
 /// line: a reader of a small call fetches one line per rank, not two.
 pub(super) const DATA: usize = 40;
@@ -254,4 +241,18 @@ pub(super) struct Label {
     pub(super) tag: Tag,
     pub(super) len: usize,
     pub(super) chain: u32,
+}
+
+#[cfg(test)]
+mod prefault_budget {
+    use super::*;
+
+    #[test]
+    fn peers_share_the_budget_and_each_keeps_its_header() {
+        assert_eq!(prefault(2), PREFAULT);
+        assert_eq!(prefault(16), PREFAULT);
+        assert_eq!(prefault(32), PREFAULT / 2);
+        assert_eq!(prefault(1 << 20), DATA_AT);
+        assert!((1..=4096).all(|n| prefault(n) * n <= PREFAULT_BUDGET.max(n * DATA_AT)));
+    }
 }
