@@ -35,6 +35,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
+use super::window::Window;
 use super::{device::Port, Registration, Retry, Settings};
 use crate::wire::{self, Frame, HEADER_LEN};
 use crate::{
@@ -45,7 +46,9 @@ use crate::{
 /// of a write): more than the sends and receives either side keeps in flight.
 const RECV_SLOTS: usize = 256;
 const SLOT_BYTES: usize = 64;
-const SQ_DEPTH: u32 = 512;
+/// Room for the data writes, the clear-to-sends, and a window's bind and
+/// unbind per receive in flight (`WRITES_MAX`).
+const SQ_DEPTH: u32 = 768;
 /// Registered slots the clear-to-send messages are sent from; more than the
 /// receives ever in flight (the executor's window is at most 64).
 const CTS_SLOTS: usize = 128;
@@ -57,12 +60,14 @@ const INLINE_MAX: u32 = 128;
 const WR_DATA: u64 = 1 << 56;
 const WR_CTS: u64 = 2 << 56;
 const WR_RECV: u64 = 3 << 56;
+const WR_WINDOW: u64 = 4 << 56;
 const KIND: u64 = 0xff << 56;
 /// A data write that ends its message (the others complete nothing).
 const WR_LAST: u64 = 1 << 48;
 /// Data writes in flight at most: the send queue holds them beside the
-/// clear-to-sends.
-const WRITES_MAX: usize = SQ_DEPTH as usize - CTS_SLOTS;
+/// clear-to-sends and the windows' binds and unbinds (unsignaled: each
+/// leaves the queue when a later request of its queue pair completes).
+const WRITES_MAX: usize = SQ_DEPTH as usize - 3 * CTS_SLOTS;
 
 /// A receiver's grant: where its posted buffer is and what it expects.
 #[derive(Clone, Copy, Debug)]
@@ -135,6 +140,17 @@ struct Outgoing {
 struct Incoming {
     seq: u32,
     done: bool,
+    /// The window its grant opened (none for 0 bytes), until it completes.
+    window: Option<Opened>,
+}
+
+/// A window bound over a receive's bytes, through queue pair `qp`; the
+/// registration it lies in is held until the window is unbound (a window
+/// still bound makes deregistration fail).
+struct Opened {
+    qp: usize,
+    window: Window,
+    mr: Arc<MemoryRegion>,
 }
 
 /// One completion, copied out of the completion queue.
@@ -150,6 +166,9 @@ pub struct VerbsConnection {
     // Field order is drop order: the queue pair before its completion queue,
     // the receive slots' registration before their memory.
     qps: Vec<BasicQueuePair>,
+    /// Unbound windows, by the queue pair they were last unbound through.
+    windows: Vec<Vec<Window>>,
+    pd: Arc<ProtectionDomain>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     slots_mr: Arc<MemoryRegion>,
@@ -280,6 +299,8 @@ impl VerbsConnection {
         let (cts_slots, cts_mr) = registered_slots(pd, CTS_SLOTS)
             .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
+            windows: qps.iter().map(|_| Vec::new()).collect(),
+            pd: Arc::clone(pd),
             qps,
             cq,
             channel,
@@ -436,6 +457,41 @@ impl VerbsConnection {
                 &format!("{e} (queue pair in state {:?})", self.qps[q].state()),
             )
         })
+    }
+
+    /// Binds a window over receive `seq`'s `len` bytes at `addr` of `mr`,
+    /// on the queue pair its grant goes through (before the grant).
+    fn open_window(
+        &mut self,
+        seq: u32,
+        mr: &Arc<MemoryRegion>,
+        addr: u64,
+        len: u64,
+    ) -> Result<Opened> {
+        let qp = self.qp_for(seq as usize);
+        let mut window = match self.windows[qp].pop() {
+            Some(w) => w,
+            None => Window::alloc(&self.pd).map_err(|e| self.verb_error("ibv_alloc_mw", &e))?,
+        };
+        // SAFETY: `addr..addr + len` is the posted receive, inside `mr`
+        // (`slice_ptr` checked it against the region), which `Opened` holds.
+        unsafe { window.bind(&self.qps[qp], mr, addr, len, WR_WINDOW | qp as u64) }
+            .map_err(|e| self.verb_error("ibv_bind_mw", &e))?;
+        Ok(Opened {
+            qp,
+            window,
+            mr: Arc::clone(mr),
+        })
+    }
+
+    /// Unbinds a completed receive's window: its key writes nothing more.
+    fn close_window(&mut self, mut o: Opened) -> Result<()> {
+        let (start, id) = (o.mr.get_ptr() as u64, WR_WINDOW | o.qp as u64);
+        // SAFETY: an unbind (length 0) touches no memory.
+        unsafe { o.window.bind(&self.qps[o.qp], &o.mr, start, 0, id) }
+            .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
+        self.windows[o.qp].push(o.window);
+        Ok(())
     }
 
     fn verb_error(&self, verb: &str, e: &dyn std::fmt::Display) -> Error {
@@ -635,6 +691,8 @@ impl VerbsConnection {
                 self.retire_sends();
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
+            // Unsignaled: only an error completes one (handled before).
+            WR_WINDOW => {}
             _ => {
                 let slot = (c.wr_id & 0xffff) as usize;
                 if c.opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
@@ -650,7 +708,10 @@ impl VerbsConnection {
                         }
                     }
                     while self.recvs.front().is_some_and(|r| r.done) {
-                        self.recvs.pop_front();
+                        let inc = self.recvs.pop_front().expect("a receive at the front");
+                        if let Some(opened) = inc.window {
+                            self.close_window(opened)?;
+                        }
                         self.requests.complete(Direction::Recv);
                     }
                 } else {
@@ -686,6 +747,7 @@ impl VerbsConnection {
             WR_DATA if c.wr_id & WR_LAST == 0 => "RDMA WRITE",
             WR_DATA => "RDMA WRITE_WITH_IMM",
             WR_CTS => "SEND (clear-to-send)",
+            WR_WINDOW => "BIND_MW",
             _ => "RECV",
         };
         let status = WorkCompletionStatus::from(c.status);
@@ -886,8 +948,12 @@ impl Connection for VerbsConnection {
     ) -> Result<Request> {
         self.failed.clone().map_or(Ok(()), Err)?;
         let addr = region.slice_ptr(offset, len)? as u64;
-        let rkey = registration(region, len)?.map_or(0, |r| r.0.rkey());
         let seq = self.next_seq;
+        let window = match registration(region, len)? {
+            Some(r) if len > 0 => Some(self.open_window(seq, &r.0, addr, len as u64)?),
+            _ => None,
+        };
+        let rkey = window.as_ref().map_or(0, |o| o.window.rkey());
         self.next_seq = self.next_seq.wrapping_add(1);
         if let Err(e) = self.send_cts(Cts {
             tag,
@@ -899,7 +965,11 @@ impl Connection for VerbsConnection {
             self.failed = Some(e.clone());
             return Err(e);
         }
-        self.recvs.push_back(Incoming { seq, done: false });
+        self.recvs.push_back(Incoming {
+            seq,
+            done: false,
+            window,
+        });
         Ok(self.requests.post(Direction::Recv))
     }
 
@@ -1024,5 +1094,110 @@ mod grant_checks {
         assert!(keep_grant(&mut grants, grant(base - 1), base, 3).is_err());
         assert!(keep_grant(&mut grants, grant(base.wrapping_add(GRANTS_AHEAD)), base, 3).is_err());
         assert_eq!(grants.len(), 2);
+    }
+}
+
+/// What a grant's key lets a peer do, on a real device (the soft-RoCE VM
+/// of ci/rxe.sh; skipped elsewhere unless COLL_REQUIRE_VERBS=1): write the
+/// posted bytes while the receive is posted, and nothing once it completed.
+#[cfg(test)]
+mod windows {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::verbs::VerbsTransport;
+    use crate::Transport;
+
+    /// Two connected ends, peers of each other, with no side channel.
+    fn pair(t: &VerbsTransport) -> (VerbsConnection, VerbsConnection) {
+        let new = |peer| VerbsConnection::new(t.port.clone(), &t.pd, peer, t.settings).unwrap();
+        let (mut a, mut b) = (new(1), new(0));
+        let (gid, mtu) = (t.port.gid, super::super::device::mtu_bytes(t.port.mtu));
+        let (qa, qb) = (a.qp_numbers(), b.qp_numbers());
+        a.connect(&qb, 0, 0, gid, mtu).unwrap();
+        b.connect(&qa, 0, 0, gid, mtu).unwrap();
+        (a, b)
+    }
+
+    /// Progresses both until `done`, or an error of either (within 10 s).
+    fn drive(
+        a: &mut VerbsConnection,
+        b: &mut VerbsConnection,
+        done: impl Fn(&VerbsConnection) -> bool,
+    ) -> Result<()> {
+        let by = Instant::now() + Duration::from_secs(10);
+        while !done(a) {
+            a.progress()?;
+            b.progress()?;
+            assert!(Instant::now() < by, "no progress in 10 s");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_grants_key_writes_the_receive_while_it_is_posted_and_never_after() {
+        let t = match VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
+            Ok(t) => t,
+            Err(e) => {
+                let required = std::env::var("COLL_REQUIRE_VERBS").is_ok_and(|v| v == "1");
+                assert!(!required, "no RDMA device ({e}), and COLL_REQUIRE_VERBS=1");
+                return eprintln!("skipping: {e}");
+            }
+        };
+        let (mut a, mut b) = pair(&t);
+        let mut dst = vec![0u8; 4096];
+        let src = [0x5au8; 64];
+        let rdst = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+        let rsrc = t.register(src.as_ptr(), src.len()).unwrap();
+        // SAFETY: both buffers outlive the requests, waited for below.
+        let received = unsafe { a.irecv(&rdst, 1024, 64, 7) }.unwrap();
+        let key = a
+            .recvs
+            .back()
+            .and_then(|r| r.window.as_ref())
+            .unwrap()
+            .window
+            .rkey();
+        let region_key = registration(&rdst, 64).unwrap().unwrap().0.rkey();
+        // SAFETY: as above.
+        unsafe { b.isend(&rsrc, 0, 64, 7) }.unwrap();
+        drive(&mut a, &mut b, |a| a.is_done(received)).unwrap();
+        assert!(dst[1024..1088].iter().all(|x| *x == 0x5a));
+        assert!(dst[..1024].iter().chain(&dst[1088..]).all(|x| *x == 0));
+
+        // The peer writes other bytes with the grant's key, then with the
+        // registration's own: the device refuses each, and nothing lands.
+        let other = [0xa5u8; 64];
+        let rother = t.register(other.as_ptr(), other.len()).unwrap();
+        for (what, rkey) in [
+            ("the receive's window", key),
+            ("the registration", region_key),
+        ] {
+            let (_a, mut b) = pair(&t);
+            let mut guard = b.qps[0].start_post_send();
+            let wr = guard
+                .construct_wr(WR_DATA | WR_LAST, WorkRequestFlags::Signaled)
+                .setup_write(rkey, dst.as_ptr() as u64 + 1024);
+            // SAFETY: `other` is registered and outlives the write.
+            unsafe { wr.setup_sge(lkey(&rother), other.as_ptr() as u64, 64) };
+            guard.post().unwrap();
+            let by = Instant::now() + Duration::from_secs(10);
+            let e = loop {
+                match b.progress() {
+                    Err(e) => break e.to_string(),
+                    Ok(_) => assert!(Instant::now() < by, "a write through {what}: no completion"),
+                }
+            };
+            assert!(e.contains("RemoteAccess"), "a write through {what}: {e}");
+        }
+        assert!(
+            dst[1024..1088].iter().all(|x| *x == 0x5a),
+            "a refused write landed"
+        );
+    }
+
+    fn lkey(r: &MemRegion) -> u32 {
+        registration(r, 1).unwrap().unwrap().0.lkey()
     }
 }

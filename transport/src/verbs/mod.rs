@@ -11,8 +11,9 @@
 //! transport's greeting: job token, refusal of strangers) that stays open
 //! for aborts and as a death detector. Data moves by a receiver-driven
 //! rendezvous, as NCCL's IB transport does: `irecv` sends the sender a
-//! 40-byte "clear to send" (address, rkey, length, tag, sequence), the sender
-//! checks tag and length against its send and RDMA-WRITEs the bytes straight
+//! 40-byte "clear to send" (address, rkey, length, tag, sequence; the rkey
+//! is that of a memory window over exactly the posted bytes, unbound when
+//! the receive completes: `window.rs`), the sender checks tag and length against its send and RDMA-WRITEs the bytes straight
 //! into the posted buffer with an immediate that completes the receive (a
 //! message over [`MAX_WRITE`] as several writes, the immediate on the last). No
 //! copy on either side; the clear-to-send messages are the credits, so a
@@ -20,6 +21,7 @@
 
 mod connection;
 mod device;
+mod window;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpStream};
@@ -163,9 +165,10 @@ impl Transport for VerbsTransport {
         if len == 0 {
             return Ok(MemRegion::plain(addr, len));
         }
-        // No remote read: the protocol never posts an RDMA READ, and with it
-        // a peer holding the key could read the region whenever it liked.
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+        // No remote access of its own: a peer writes only through the
+        // window a receive's grant opens over its bytes (`window.rs`), and
+        // never reads (the protocol posts no RDMA READ).
+        let access = AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind;
         // SAFETY: registration pins the pages; the isend/irecv contract keeps
         // them valid while a request uses them.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
