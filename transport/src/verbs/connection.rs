@@ -168,6 +168,8 @@ pub struct VerbsConnection {
     qps: Vec<BasicQueuePair>,
     /// Unbound windows, by the queue pair they were last unbound through.
     windows: Vec<Vec<Window>>,
+    /// Whether grants go through windows (the device has them).
+    windows_on: bool,
     pd: Arc<ProtectionDomain>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
@@ -300,6 +302,7 @@ impl VerbsConnection {
             .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
             windows: qps.iter().map(|_| Vec::new()).collect(),
+            windows_on: settings.windows,
             pd: Arc::clone(pd),
             qps,
             cq,
@@ -949,11 +952,14 @@ impl Connection for VerbsConnection {
         self.failed.clone().map_or(Ok(()), Err)?;
         let addr = region.slice_ptr(offset, len)? as u64;
         let seq = self.next_seq;
-        let window = match registration(region, len)? {
-            Some(r) if len > 0 => Some(self.open_window(seq, &r.0, addr, len as u64)?),
-            _ => None,
+        let (window, rkey) = match registration(region, len)? {
+            Some(r) if len > 0 && self.windows_on => {
+                let o = self.open_window(seq, &r.0, addr, len as u64)?;
+                let rkey = o.window.rkey();
+                (Some(o), rkey)
+            }
+            r => (None, r.map_or(0, |r| r.0.rkey())),
         };
-        let rkey = window.as_ref().map_or(0, |o| o.window.rkey());
         self.next_seq = self.next_seq.wrapping_add(1);
         if let Err(e) = self.send_cts(Cts {
             tag,

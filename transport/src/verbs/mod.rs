@@ -59,6 +59,9 @@ pub(crate) struct Settings {
     pub retry: Retry,
     /// The longest RDMA write: longer messages go as several.
     pub max_write: u64,
+    /// Receives are granted through memory windows (`window.rs`); a device
+    /// without them grants its registrations' own keys.
+    pub windows: bool,
 }
 
 /// The longest RDMA write: mlx5 ports take at most 1 GiB a message
@@ -91,8 +94,16 @@ impl VerbsTransport {
             .context
             .alloc_pd()
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
+        // A window allocated and dropped: the device has them.
+        let windows = window::Window::alloc(&pd).is_ok();
+        if !windows {
+            tracing::warn!(
+                device = %port.device,
+                "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
+            );
+        }
         tracing::info!(
-            device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
+            device = %port.device, port = port.port, windows, gid_index = port.gid_index, gid = %port.gid,
             mtu = device::mtu_bytes(port.mtu), max_write = longest, qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
             "verbs transport ready"
         );
@@ -104,6 +115,7 @@ impl VerbsTransport {
                 qps,
                 retry,
                 max_write: longest,
+                windows,
             },
         })
     }
@@ -168,7 +180,10 @@ impl Transport for VerbsTransport {
         // No remote access of its own: a peer writes only through the
         // window a receive's grant opens over its bytes (`window.rs`), and
         // never reads (the protocol posts no RDMA READ).
-        let access = AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind;
+        let access = match self.settings.windows {
+            true => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
+            false => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        };
         // SAFETY: registration pins the pages; the isend/irecv contract keeps
         // them valid while a request uses them.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
