@@ -46,9 +46,7 @@ use crate::{
 /// of a write): more than the sends and receives either side keeps in flight.
 const RECV_SLOTS: usize = 256;
 const SLOT_BYTES: usize = 64;
-/// Room for the data writes, the clear-to-sends, and a window's bind and
-/// unbind per receive in flight (`WRITES_MAX`).
-const SQ_DEPTH: u32 = 768;
+const SQ_DEPTH: u32 = 512;
 /// Registered slots the clear-to-send messages are sent from; more than the
 /// receives ever in flight (the executor's window is at most 64).
 const CTS_SLOTS: usize = 128;
@@ -65,9 +63,8 @@ const KIND: u64 = 0xff << 56;
 /// A data write that ends its message (the others complete nothing).
 const WR_LAST: u64 = 1 << 48;
 /// Data writes in flight at most: the send queue holds them beside the
-/// clear-to-sends and the windows' binds and unbinds (unsignaled: each
-/// leaves the queue when a later request of its queue pair completes).
-const WRITES_MAX: usize = SQ_DEPTH as usize - 3 * CTS_SLOTS;
+/// clear-to-sends.
+const WRITES_MAX: usize = SQ_DEPTH as usize - CTS_SLOTS;
 
 /// A receiver's grant: where its posted buffer is and what it expects.
 #[derive(Clone, Copy, Debug)]
@@ -144,11 +141,10 @@ struct Incoming {
     window: Option<Opened>,
 }
 
-/// A window bound over a receive's bytes, through queue pair `qp`; the
-/// registration it lies in is held until the window is unbound (a window
-/// still bound makes deregistration fail).
+/// A window bound over a receive's bytes; the registration it lies in is
+/// held until the window is unbound (a window still bound makes
+/// deregistration fail).
 struct Opened {
-    qp: usize,
     window: Window,
     mr: Arc<MemoryRegion>,
 }
@@ -166,8 +162,16 @@ pub struct VerbsConnection {
     // Field order is drop order: the queue pair before its completion queue,
     // the receive slots' registration before their memory.
     qps: Vec<BasicQueuePair>,
-    /// Unbound windows, by the queue pair they were last unbound through.
-    windows: Vec<Vec<Window>>,
+    /// Binds and unbinds the windows, and carries nothing to the peer: a
+    /// local operation among a data queue pair's sends is replayed by the
+    /// device's retransmission with them (soft-RoCE lost a grant behind one
+    /// under packet loss).
+    binder: BasicQueuePair,
+    /// Unbound windows.
+    windows: Vec<Window>,
+    /// Grants whose window's bind has not completed yet, in the order the
+    /// binds were posted (they complete in that order).
+    awaiting_bind: VecDeque<Cts>,
     /// Whether grants go through windows (the device has them).
     windows_on: bool,
     pd: Arc<ProtectionDomain>,
@@ -274,8 +278,9 @@ impl VerbsConnection {
         // Inline sends where the device has them: the bytes travel in the
         // work request, sparing the adapter a DMA read of the buffer.
         let mut inline_max = INLINE_MAX as usize;
-        let mut qps = Vec::with_capacity(nqps);
-        for _ in 0..nqps {
+        // The data queue pairs, then the binder (see `binder`).
+        let mut qps = Vec::with_capacity(nqps + 1);
+        for _ in 0..=nqps {
             let mut qp = match create(inline_max as u32) {
                 Ok(qp) => qp,
                 Err(_) if inline_max > 0 => {
@@ -294,6 +299,7 @@ impl VerbsConnection {
                 .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
             qps.push(qp);
         }
+        let binder = qps.pop().expect("nqps + 1 queue pairs");
         // (One queue pair without inline sends makes the rest go without.)
         tracing::debug!(peer, nqps, inline_max, "queue pairs created");
         let (slots, slots_mr) = registered_slots(pd, RECV_SLOTS)
@@ -301,7 +307,9 @@ impl VerbsConnection {
         let (cts_slots, cts_mr) = registered_slots(pd, CTS_SLOTS)
             .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
-            windows: qps.iter().map(|_| Vec::new()).collect(),
+            windows: Vec::new(),
+            awaiting_bind: VecDeque::new(),
+            binder,
             windows_on: settings.windows,
             pd: Arc::clone(pd),
             qps,
@@ -341,8 +349,10 @@ impl VerbsConnection {
         Ok(conn)
     }
 
+    /// The data queue pairs' numbers, then the binder's.
     pub(crate) fn qp_numbers(&self) -> Vec<u32> {
-        self.qps.iter().map(|qp| qp.qp_number()).collect()
+        let qps = self.qps.iter().chain([&self.binder]);
+        qps.map(|qp| qp.qp_number()).collect()
     }
 
     /// INIT → RTR → RTS, queue pair i towards the peer's queue pair i.
@@ -367,7 +377,8 @@ impl VerbsConnection {
             2048 => Mtu::Mtu2048,
             _ => Mtu::Mtu4096,
         };
-        for (qp, &peer_qpn) in self.qps.iter_mut().zip(peer_qpns) {
+        let qps = self.qps.iter_mut().chain([&mut self.binder]);
+        for (qp, &peer_qpn) in qps.zip(peer_qpns) {
             Self::connect_one(
                 qp,
                 self.port.as_ref(),
@@ -462,38 +473,35 @@ impl VerbsConnection {
         })
     }
 
-    /// Binds a window over receive `seq`'s `len` bytes at `addr` of `mr`,
-    /// on the queue pair its grant goes through (before the grant).
-    fn open_window(
-        &mut self,
-        seq: u32,
-        mr: &Arc<MemoryRegion>,
-        addr: u64,
-        len: u64,
-    ) -> Result<Opened> {
-        let qp = self.qp_for(seq as usize);
-        let mut window = match self.windows[qp].pop() {
+    /// Binds a window over a receive's `len` bytes at `addr` of `mr`,
+    /// through the binder, signaled: its grant goes when it completes.
+    fn open_window(&mut self, mr: &Arc<MemoryRegion>, addr: u64, len: u64) -> Result<Opened> {
+        let mut window = match self.windows.pop() {
             Some(w) => w,
             None => Window::alloc(&self.pd).map_err(|e| self.verb_error("ibv_alloc_mw", &e))?,
         };
         // SAFETY: `addr..addr + len` is the posted receive, inside `mr`
         // (`slice_ptr` checked it against the region), which `Opened` holds.
-        unsafe { window.bind(&self.qps[qp], mr, addr, len, WR_WINDOW | qp as u64) }
+        unsafe { window.bind(&self.binder, mr, addr, len, WR_WINDOW, true) }
             .map_err(|e| self.verb_error("ibv_bind_mw", &e))?;
         Ok(Opened {
-            qp,
             window,
             mr: Arc::clone(mr),
         })
     }
 
-    /// Unbinds a completed receive's window: its key writes nothing more.
+    /// Unbinds a completed receive's window, unsignaled (it leaves the
+    /// binder's queue when the next bind completes): its key writes nothing
+    /// more. One queue keeps it before the window's next bind.
     fn close_window(&mut self, mut o: Opened) -> Result<()> {
-        let (start, id) = (o.mr.get_ptr() as u64, WR_WINDOW | o.qp as u64);
+        let start = o.mr.get_ptr() as u64;
         // SAFETY: an unbind (length 0) touches no memory.
-        unsafe { o.window.bind(&self.qps[o.qp], &o.mr, start, 0, id) }
-            .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
-        self.windows[o.qp].push(o.window);
+        unsafe {
+            o.window
+                .bind(&self.binder, &o.mr, start, 0, WR_WINDOW, false)
+        }
+        .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
+        self.windows.push(o.window);
         Ok(())
     }
 
@@ -694,8 +702,13 @@ impl VerbsConnection {
                 self.retire_sends();
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
-            // Unsignaled: only an error completes one (handled before).
-            WR_WINDOW => {}
+            // A bind (unbinds are unsignaled): its grant may go now.
+            WR_WINDOW => {
+                let Some(cts) = self.awaiting_bind.pop_front() else {
+                    return Err(self.verb_error("BIND_MW", &"completion of no posted bind"));
+                };
+                self.send_cts(cts)?;
+            }
             _ => {
                 let slot = (c.wr_id & 0xffff) as usize;
                 if c.opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
@@ -954,20 +967,24 @@ impl Connection for VerbsConnection {
         let seq = self.next_seq;
         let (window, rkey) = match registration(region, len)? {
             Some(r) if len > 0 && self.windows_on => {
-                let o = self.open_window(seq, &r.0, addr, len as u64)?;
+                let o = self.open_window(&r.0, addr, len as u64)?;
                 let rkey = o.window.rkey();
                 (Some(o), rkey)
             }
             r => (None, r.map_or(0, |r| r.0.rkey())),
         };
         self.next_seq = self.next_seq.wrapping_add(1);
-        if let Err(e) = self.send_cts(Cts {
+        let cts = Cts {
             tag,
             addr,
             len: len as u64,
             rkey,
             seq,
-        }) {
+        };
+        // A grant through a window goes once the window is bound.
+        if window.is_some() {
+            self.awaiting_bind.push_back(cts);
+        } else if let Err(e) = self.send_cts(cts) {
             self.failed = Some(e.clone());
             return Err(e);
         }
@@ -1064,6 +1081,7 @@ impl Connection for VerbsConnection {
         self.enter_error_state();
         self.sends.clear();
         self.recvs.clear();
+        self.awaiting_bind.clear();
         self.grants.clear();
         self.written = 0;
         if self.failed.is_none() {

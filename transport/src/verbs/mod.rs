@@ -378,8 +378,9 @@ fn establish(
     if theirs.qpns.len() != mine.qpns.len() {
         return Err(Error::Invalid(format!(
             "COLL_IB_QPS_PER_PEER differs: {} here, {} at peer rank {peer}; set it alike on every rank",
-            mine.qpns.len(),
-            theirs.qpns.len()
+            // Each side's count includes its binder (see `connection`).
+            mine.qpns.len() - 1,
+            theirs.qpns.len().saturating_sub(1)
         )));
     }
     let mtu = mine.mtu.min(theirs.mtu);

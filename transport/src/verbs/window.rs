@@ -6,11 +6,12 @@
 //! the registration's: kept valid by the registration cache after the
 //! receive, over the whole registered buffer.
 //!
-//! Binds and unbinds go on the send queue of the queue pair that carries
-//! the receive's grant, before it: a queue executes in order, so the window
-//! is bound before the peer can know its key, and a window unbound there
-//! and bound again there cannot see its bind overtake its unbind. sideway
-//! has no window API; its raw pd, mr and qp pointers go to libibverbs.
+//! Binds and unbinds go on a queue pair of their own per connection (the
+//! connection's binder), never among the data's sends: a grant goes once
+//! its window's bind has completed, so the peer cannot know a key before
+//! it works, and one queue keeps each window's unbind before its next
+//! bind. sideway has no window API; its raw pd, mr and qp pointers go to
+//! libibverbs.
 //!
 //! (Soft-RoCE's rxe, at least in Linux 6.1, kills a window's key on
 //! unbinding but checks a write's range against the registration, not the
@@ -52,8 +53,8 @@ impl Window {
     }
 
     /// Posts, on `qp`'s send queue, a bind of the window over `len` bytes
-    /// at `addr` of `mr` with remote write (`len` 0: an unbind),
-    /// unsignaled, as `wr_id` (which only an error completion shows).
+    /// at `addr` of `mr` with remote write (`len` 0: an unbind), as
+    /// `wr_id`, `signaled` or not (then only an error completes it).
     /// Returns the key a peer writes with.
     ///
     /// # Safety
@@ -66,6 +67,7 @@ impl Window {
         addr: u64,
         len: u64,
         wr_id: u64,
+        signaled: bool,
     ) -> std::io::Result<u32> {
         let access = match len {
             0 => ibv_access_flags(0),
@@ -73,7 +75,10 @@ impl Window {
         };
         let mut bind = ibv_mw_bind {
             wr_id,
-            send_flags: 0,
+            send_flags: match signaled {
+                true => rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0,
+                false => 0,
+            },
             bind_info: ibv_mw_bind_info {
                 // SAFETY: the registration's own handle, live while `mr` is.
                 mr: unsafe { mr.mr().as_ptr() },
