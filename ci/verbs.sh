@@ -19,8 +19,9 @@ if [ "${1:-}" = --in-vm ]; then
   export COLL_REQUIRE_VERBS=1
   bench=target/verbs/release/collbench
   step() { printf '\n=== (soft-RoCE VM) %s (at %d s in the VM)\n' "$*" "$SECONDS"; }
-  step "transport contract tests"
+  step "transport contract tests, and the verbs transport's own (memory windows, grants)"
   "$1" --test-threads 1
+  "$4" verbs:: --test-threads 1
   step "correctness matrix over verbs"
   "$2" verbs --test-threads 1
   step "faults over verbs"
@@ -64,4 +65,4 @@ cargo build "${build[@]}" --bins
 # The test executables, by name, from cargo's own listing.
 tests=$(cargo test "${build[@]}" --no-run 2>&1 | sed -n 's/.*Executable .* (\(.*\))$/\1/p')
 exe() { grep "/deps/$1-" <<<"$tests"; }
-ci/rxe.sh -t 2400 -- ci/verbs.sh --in-vm "$(exe contract)" "$(exe matrix)" "$(exe faults)"
+ci/rxe.sh -t 2400 -- ci/verbs.sh --in-vm "$(exe contract)" "$(exe matrix)" "$(exe faults)" "$(exe transport)"

@@ -35,6 +35,7 @@ use sideway::ibverbs::queue_pair::{
 };
 use sideway::ibverbs::AccessFlags;
 
+use super::window::Window;
 use super::{device::Port, Registration, Retry, Settings};
 use crate::wire::{self, Frame, HEADER_LEN};
 use crate::{
@@ -57,6 +58,7 @@ const INLINE_MAX: u32 = 128;
 const WR_DATA: u64 = 1 << 56;
 const WR_CTS: u64 = 2 << 56;
 const WR_RECV: u64 = 3 << 56;
+const WR_WINDOW: u64 = 4 << 56;
 const KIND: u64 = 0xff << 56;
 /// A data write that ends its message (the others complete nothing).
 const WR_LAST: u64 = 1 << 48;
@@ -135,6 +137,16 @@ struct Outgoing {
 struct Incoming {
     seq: u32,
     done: bool,
+    /// The window its grant opened (none for 0 bytes), until it completes.
+    window: Option<Opened>,
+}
+
+/// A window bound over a receive's bytes; the registration it lies in is
+/// held until the window is unbound (a window still bound makes
+/// deregistration fail).
+struct Opened {
+    window: Window,
+    mr: Arc<MemoryRegion>,
 }
 
 /// One completion, copied out of the completion queue.
@@ -150,6 +162,19 @@ pub struct VerbsConnection {
     // Field order is drop order: the queue pair before its completion queue,
     // the receive slots' registration before their memory.
     qps: Vec<BasicQueuePair>,
+    /// Binds and unbinds the windows, and carries nothing to the peer: a
+    /// local operation among a data queue pair's sends is replayed by the
+    /// device's retransmission with them (soft-RoCE lost a grant behind one
+    /// under packet loss).
+    binder: BasicQueuePair,
+    /// Unbound windows.
+    windows: Vec<Window>,
+    /// Grants whose window's bind has not completed yet, in the order the
+    /// binds were posted (they complete in that order).
+    awaiting_bind: VecDeque<Cts>,
+    /// Whether grants go through windows (the device has them).
+    windows_on: bool,
+    pd: Arc<ProtectionDomain>,
     cq: Arc<BasicCompletionQueue>,
     channel: Arc<CompletionChannel>,
     slots_mr: Arc<MemoryRegion>,
@@ -253,8 +278,9 @@ impl VerbsConnection {
         // Inline sends where the device has them: the bytes travel in the
         // work request, sparing the adapter a DMA read of the buffer.
         let mut inline_max = INLINE_MAX as usize;
-        let mut qps = Vec::with_capacity(nqps);
-        for _ in 0..nqps {
+        // The data queue pairs, then the binder (see `binder`).
+        let mut qps = Vec::with_capacity(nqps + 1);
+        for _ in 0..=nqps {
             let mut qp = match create(inline_max as u32) {
                 Ok(qp) => qp,
                 Err(_) if inline_max > 0 => {
@@ -273,6 +299,7 @@ impl VerbsConnection {
                 .map_err(|e| verb("ibv_modify_qp to INIT")(&e))?;
             qps.push(qp);
         }
+        let binder = qps.pop().expect("nqps + 1 queue pairs");
         // (One queue pair without inline sends makes the rest go without.)
         tracing::debug!(peer, nqps, inline_max, "queue pairs created");
         let (slots, slots_mr) = registered_slots(pd, RECV_SLOTS)
@@ -280,6 +307,11 @@ impl VerbsConnection {
         let (cts_slots, cts_mr) = registered_slots(pd, CTS_SLOTS)
             .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
+            windows: Vec::new(),
+            awaiting_bind: VecDeque::new(),
+            binder,
+            windows_on: settings.windows,
+            pd: Arc::clone(pd),
             qps,
             cq,
             channel,
@@ -317,8 +349,10 @@ impl VerbsConnection {
         Ok(conn)
     }
 
+    /// The data queue pairs' numbers, then the binder's.
     pub(crate) fn qp_numbers(&self) -> Vec<u32> {
-        self.qps.iter().map(|qp| qp.qp_number()).collect()
+        let qps = self.qps.iter().chain([&self.binder]);
+        qps.map(|qp| qp.qp_number()).collect()
     }
 
     /// INIT → RTR → RTS, queue pair i towards the peer's queue pair i.
@@ -343,7 +377,8 @@ impl VerbsConnection {
             2048 => Mtu::Mtu2048,
             _ => Mtu::Mtu4096,
         };
-        for (qp, &peer_qpn) in self.qps.iter_mut().zip(peer_qpns) {
+        let qps = self.qps.iter_mut().chain([&mut self.binder]);
+        for (qp, &peer_qpn) in qps.zip(peer_qpns) {
             Self::connect_one(
                 qp,
                 self.port.as_ref(),
@@ -436,6 +471,38 @@ impl VerbsConnection {
                 &format!("{e} (queue pair in state {:?})", self.qps[q].state()),
             )
         })
+    }
+
+    /// Binds a window over a receive's `len` bytes at `addr` of `mr`,
+    /// through the binder, signaled: its grant goes when it completes.
+    fn open_window(&mut self, mr: &Arc<MemoryRegion>, addr: u64, len: u64) -> Result<Opened> {
+        let mut window = match self.windows.pop() {
+            Some(w) => w,
+            None => Window::alloc(&self.pd).map_err(|e| self.verb_error("ibv_alloc_mw", &e))?,
+        };
+        // SAFETY: `addr..addr + len` is the posted receive, inside `mr`
+        // (`slice_ptr` checked it against the region), which `Opened` holds.
+        unsafe { window.bind(&self.binder, mr, addr, len, WR_WINDOW, true) }
+            .map_err(|e| self.verb_error("ibv_bind_mw", &e))?;
+        Ok(Opened {
+            window,
+            mr: Arc::clone(mr),
+        })
+    }
+
+    /// Unbinds a completed receive's window, unsignaled (it leaves the
+    /// binder's queue when the next bind completes): its key writes nothing
+    /// more. One queue keeps it before the window's next bind.
+    fn close_window(&mut self, mut o: Opened) -> Result<()> {
+        let start = o.mr.get_ptr() as u64;
+        // SAFETY: an unbind (length 0) touches no memory.
+        unsafe {
+            o.window
+                .bind(&self.binder, &o.mr, start, 0, WR_WINDOW, false)
+        }
+        .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
+        self.windows.push(o.window);
+        Ok(())
     }
 
     fn verb_error(&self, verb: &str, e: &dyn std::fmt::Display) -> Error {
@@ -635,6 +702,13 @@ impl VerbsConnection {
                 self.retire_sends();
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
+            // A bind (unbinds are unsignaled): its grant may go now.
+            WR_WINDOW => {
+                let Some(cts) = self.awaiting_bind.pop_front() else {
+                    return Err(self.verb_error("BIND_MW", &"completion of no posted bind"));
+                };
+                self.send_cts(cts)?;
+            }
             _ => {
                 let slot = (c.wr_id & 0xffff) as usize;
                 if c.opcode == WorkCompletionOperationType::ReceiveWithImmediate as u32 {
@@ -650,7 +724,10 @@ impl VerbsConnection {
                         }
                     }
                     while self.recvs.front().is_some_and(|r| r.done) {
-                        self.recvs.pop_front();
+                        let inc = self.recvs.pop_front().expect("a receive at the front");
+                        if let Some(opened) = inc.window {
+                            self.close_window(opened)?;
+                        }
                         self.requests.complete(Direction::Recv);
                     }
                 } else {
@@ -686,6 +763,7 @@ impl VerbsConnection {
             WR_DATA if c.wr_id & WR_LAST == 0 => "RDMA WRITE",
             WR_DATA => "RDMA WRITE_WITH_IMM",
             WR_CTS => "SEND (clear-to-send)",
+            WR_WINDOW => "BIND_MW",
             _ => "RECV",
         };
         let status = WorkCompletionStatus::from(c.status);
@@ -886,20 +964,35 @@ impl Connection for VerbsConnection {
     ) -> Result<Request> {
         self.failed.clone().map_or(Ok(()), Err)?;
         let addr = region.slice_ptr(offset, len)? as u64;
-        let rkey = registration(region, len)?.map_or(0, |r| r.0.rkey());
         let seq = self.next_seq;
+        let (window, rkey) = match registration(region, len)? {
+            Some(r) if len > 0 && self.windows_on => {
+                let o = self.open_window(&r.0, addr, len as u64)?;
+                let rkey = o.window.rkey();
+                (Some(o), rkey)
+            }
+            r => (None, r.map_or(0, |r| r.0.rkey())),
+        };
         self.next_seq = self.next_seq.wrapping_add(1);
-        if let Err(e) = self.send_cts(Cts {
+        let cts = Cts {
             tag,
             addr,
             len: len as u64,
             rkey,
             seq,
-        }) {
+        };
+        // A grant through a window goes once the window is bound.
+        if window.is_some() {
+            self.awaiting_bind.push_back(cts);
+        } else if let Err(e) = self.send_cts(cts) {
             self.failed = Some(e.clone());
             return Err(e);
         }
-        self.recvs.push_back(Incoming { seq, done: false });
+        self.recvs.push_back(Incoming {
+            seq,
+            done: false,
+            window,
+        });
         Ok(self.requests.post(Direction::Recv))
     }
 
@@ -988,6 +1081,7 @@ impl Connection for VerbsConnection {
         self.enter_error_state();
         self.sends.clear();
         self.recvs.clear();
+        self.awaiting_bind.clear();
         self.grants.clear();
         self.written = 0;
         if self.failed.is_none() {
@@ -1024,5 +1118,110 @@ mod grant_checks {
         assert!(keep_grant(&mut grants, grant(base - 1), base, 3).is_err());
         assert!(keep_grant(&mut grants, grant(base.wrapping_add(GRANTS_AHEAD)), base, 3).is_err());
         assert_eq!(grants.len(), 2);
+    }
+}
+
+/// What a grant's key lets a peer do, on a real device (the soft-RoCE VM
+/// of ci/rxe.sh; skipped elsewhere unless COLL_REQUIRE_VERBS=1): write the
+/// posted bytes while the receive is posted, and nothing once it completed.
+#[cfg(test)]
+mod windows {
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::time::Instant;
+
+    use super::*;
+    use crate::verbs::VerbsTransport;
+    use crate::Transport;
+
+    /// Two connected ends, peers of each other, with no side channel.
+    fn pair(t: &VerbsTransport) -> (VerbsConnection, VerbsConnection) {
+        let new = |peer| VerbsConnection::new(t.port.clone(), &t.pd, peer, t.settings).unwrap();
+        let (mut a, mut b) = (new(1), new(0));
+        let (gid, mtu) = (t.port.gid, super::super::device::mtu_bytes(t.port.mtu));
+        let (qa, qb) = (a.qp_numbers(), b.qp_numbers());
+        a.connect(&qb, 0, 0, gid, mtu).unwrap();
+        b.connect(&qa, 0, 0, gid, mtu).unwrap();
+        (a, b)
+    }
+
+    /// Progresses both until `done`, or an error of either (within 10 s).
+    fn drive(
+        a: &mut VerbsConnection,
+        b: &mut VerbsConnection,
+        done: impl Fn(&VerbsConnection) -> bool,
+    ) -> Result<()> {
+        let by = Instant::now() + Duration::from_secs(10);
+        while !done(a) {
+            a.progress()?;
+            b.progress()?;
+            assert!(Instant::now() < by, "no progress in 10 s");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_grants_key_writes_the_receive_while_it_is_posted_and_never_after() {
+        let t = match VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
+            Ok(t) => t,
+            Err(e) => {
+                let required = std::env::var("COLL_REQUIRE_VERBS").is_ok_and(|v| v == "1");
+                assert!(!required, "no RDMA device ({e}), and COLL_REQUIRE_VERBS=1");
+                return eprintln!("skipping: {e}");
+            }
+        };
+        let (mut a, mut b) = pair(&t);
+        let mut dst = vec![0u8; 4096];
+        let src = [0x5au8; 64];
+        let rdst = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+        let rsrc = t.register(src.as_ptr(), src.len()).unwrap();
+        // SAFETY: both buffers outlive the requests, waited for below.
+        let received = unsafe { a.irecv(&rdst, 1024, 64, 7) }.unwrap();
+        let key = a
+            .recvs
+            .back()
+            .and_then(|r| r.window.as_ref())
+            .unwrap()
+            .window
+            .rkey();
+        let region_key = registration(&rdst, 64).unwrap().unwrap().0.rkey();
+        // SAFETY: as above.
+        unsafe { b.isend(&rsrc, 0, 64, 7) }.unwrap();
+        drive(&mut a, &mut b, |a| a.is_done(received)).unwrap();
+        assert!(dst[1024..1088].iter().all(|x| *x == 0x5a));
+        assert!(dst[..1024].iter().chain(&dst[1088..]).all(|x| *x == 0));
+
+        // The peer writes other bytes with the grant's key, then with the
+        // registration's own: the device refuses each, and nothing lands.
+        let other = [0xa5u8; 64];
+        let rother = t.register(other.as_ptr(), other.len()).unwrap();
+        for (what, rkey) in [
+            ("the receive's window", key),
+            ("the registration", region_key),
+        ] {
+            let (_a, mut b) = pair(&t);
+            let mut guard = b.qps[0].start_post_send();
+            let wr = guard
+                .construct_wr(WR_DATA | WR_LAST, WorkRequestFlags::Signaled)
+                .setup_write(rkey, dst.as_ptr() as u64 + 1024);
+            // SAFETY: `other` is registered and outlives the write.
+            unsafe { wr.setup_sge(lkey(&rother), other.as_ptr() as u64, 64) };
+            guard.post().unwrap();
+            let by = Instant::now() + Duration::from_secs(10);
+            let e = loop {
+                match b.progress() {
+                    Err(e) => break e.to_string(),
+                    Ok(_) => assert!(Instant::now() < by, "a write through {what}: no completion"),
+                }
+            };
+            assert!(e.contains("RemoteAccess"), "a write through {what}: {e}");
+        }
+        assert!(
+            dst[1024..1088].iter().all(|x| *x == 0x5a),
+            "a refused write landed"
+        );
+    }
+
+    fn lkey(r: &MemRegion) -> u32 {
+        registration(r, 1).unwrap().unwrap().0.lkey()
     }
 }

@@ -11,8 +11,9 @@
 //! transport's greeting: job token, refusal of strangers) that stays open
 //! for aborts and as a death detector. Data moves by a receiver-driven
 //! rendezvous, as NCCL's IB transport does: `irecv` sends the sender a
-//! 40-byte "clear to send" (address, rkey, length, tag, sequence), the sender
-//! checks tag and length against its send and RDMA-WRITEs the bytes straight
+//! 40-byte "clear to send" (address, rkey, length, tag, sequence; the rkey
+//! is that of a memory window over exactly the posted bytes, unbound when
+//! the receive completes: `window.rs`), the sender checks tag and length against its send and RDMA-WRITEs the bytes straight
 //! into the posted buffer with an immediate that completes the receive (a
 //! message over [`MAX_WRITE`] as several writes, the immediate on the last). No
 //! copy on either side; the clear-to-send messages are the credits, so a
@@ -20,6 +21,7 @@
 
 mod connection;
 mod device;
+mod window;
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, TcpStream};
@@ -57,6 +59,9 @@ pub(crate) struct Settings {
     pub retry: Retry,
     /// The longest RDMA write: longer messages go as several.
     pub max_write: u64,
+    /// Receives are granted through memory windows (`window.rs`); a device
+    /// without them grants its registrations' own keys.
+    pub windows: bool,
 }
 
 /// The longest RDMA write: mlx5 ports take at most 1 GiB a message
@@ -89,8 +94,16 @@ impl VerbsTransport {
             .context
             .alloc_pd()
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
+        // A window allocated and dropped: the device has them.
+        let windows = window::Window::alloc(&pd).is_ok();
+        if !windows {
+            tracing::warn!(
+                device = %port.device,
+                "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
+            );
+        }
         tracing::info!(
-            device = %port.device, port = port.port, gid_index = port.gid_index, gid = %port.gid,
+            device = %port.device, port = port.port, windows, gid_index = port.gid_index, gid = %port.gid,
             mtu = device::mtu_bytes(port.mtu), max_write = longest, qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
             "verbs transport ready"
         );
@@ -102,6 +115,7 @@ impl VerbsTransport {
                 qps,
                 retry,
                 max_write: longest,
+                windows,
             },
         })
     }
@@ -163,9 +177,13 @@ impl Transport for VerbsTransport {
         if len == 0 {
             return Ok(MemRegion::plain(addr, len));
         }
-        // No remote read: the protocol never posts an RDMA READ, and with it
-        // a peer holding the key could read the region whenever it liked.
-        let access = AccessFlags::LocalWrite | AccessFlags::RemoteWrite;
+        // No remote access of its own: a peer writes only through the
+        // window a receive's grant opens over its bytes (`window.rs`), and
+        // never reads (the protocol posts no RDMA READ).
+        let access = match self.settings.windows {
+            true => AccessFlags::LocalWrite | AccessFlags::MemoryWindowBind,
+            false => AccessFlags::LocalWrite | AccessFlags::RemoteWrite,
+        };
         // SAFETY: registration pins the pages; the isend/irecv contract keeps
         // them valid while a request uses them.
         let mr = unsafe { self.pd.reg_mr(addr as usize, len, access) }.map_err(|e| {
@@ -360,8 +378,9 @@ fn establish(
     if theirs.qpns.len() != mine.qpns.len() {
         return Err(Error::Invalid(format!(
             "COLL_IB_QPS_PER_PEER differs: {} here, {} at peer rank {peer}; set it alike on every rank",
-            mine.qpns.len(),
-            theirs.qpns.len()
+            // Each side's count includes its binder (see `connection`).
+            mine.qpns.len() - 1,
+            theirs.qpns.len().saturating_sub(1)
         )));
     }
     let mtu = mine.mtu.min(theirs.mtu);
