@@ -50,7 +50,13 @@ const SQ_DEPTH: u32 = 512;
 /// Registered slots the clear-to-send messages are sent from; more than the
 /// receives ever in flight (the executor's window is at most 64).
 const CTS_SLOTS: usize = 128;
-const CQ_DEPTH: u32 = 1024;
+/// Memory windows a connection makes at most (one per receive in flight,
+/// bound, or being unbound): past the receives ever in flight.
+const WINDOWS_MAX: usize = 2 * CTS_SLOTS;
+/// Room for every completion that can be outstanding at once: the posted
+/// receive slots, the data writes and grants the send queues hold, and one
+/// bind or unbind per window.
+const CQ_DEPTH: u32 = (RECV_SLOTS + SQ_DEPTH as usize + WINDOWS_MAX) as u32;
 /// Messages up to this many bytes (clear-to-sends, tiny payloads) are sent
 /// inline when the device allows.
 const INLINE_MAX: u32 = 128;
@@ -58,7 +64,8 @@ const INLINE_MAX: u32 = 128;
 const WR_DATA: u64 = 1 << 56;
 const WR_CTS: u64 = 2 << 56;
 const WR_RECV: u64 = 3 << 56;
-const WR_WINDOW: u64 = 4 << 56;
+const WR_BIND: u64 = 4 << 56;
+const WR_UNBIND: u64 = 5 << 56;
 const KIND: u64 = 0xff << 56;
 /// A data write that ends its message (the others complete nothing).
 const WR_LAST: u64 = 1 << 48;
@@ -169,9 +176,14 @@ pub struct VerbsConnection {
     binder: BasicQueuePair,
     /// Unbound windows.
     windows: Vec<Window>,
+    /// Windows made (at most `WINDOWS_MAX`).
+    windows_made: usize,
     /// Grants whose window's bind has not completed yet, in the order the
-    /// binds were posted (they complete in that order).
+    /// binds were posted (the binder completes them in that order).
     awaiting_bind: VecDeque<Cts>,
+    /// Completed receives' windows whose unbind has not completed yet, in
+    /// order: each holds its registration until then.
+    unbinding: VecDeque<Opened>,
     /// Whether grants go through windows (the device has them).
     windows_on: bool,
     pd: Arc<ProtectionDomain>,
@@ -308,7 +320,9 @@ impl VerbsConnection {
             .map_err(|e| verb("ibv_reg_mr of the clear-to-send slots")(&e))?;
         let mut conn = VerbsConnection {
             windows: Vec::new(),
+            windows_made: 0,
             awaiting_bind: VecDeque::new(),
+            unbinding: VecDeque::new(),
             binder,
             windows_on: settings.windows,
             pd: Arc::clone(pd),
@@ -478,11 +492,19 @@ impl VerbsConnection {
     fn open_window(&mut self, mr: &Arc<MemoryRegion>, addr: u64, len: u64) -> Result<Opened> {
         let mut window = match self.windows.pop() {
             Some(w) => w,
-            None => Window::alloc(&self.pd).map_err(|e| self.verb_error("ibv_alloc_mw", &e))?,
+            None if self.windows_made < WINDOWS_MAX => {
+                let w = Window::alloc(&self.pd).map_err(|e| self.verb_error("ibv_alloc_mw", &e))?;
+                self.windows_made += 1;
+                w
+            }
+            None => {
+                let why = format!("more than {WINDOWS_MAX} receives in flight or being closed");
+                return Err(self.verb_error("ibv_alloc_mw", &why));
+            }
         };
         // SAFETY: `addr..addr + len` is the posted receive, inside `mr`
         // (`slice_ptr` checked it against the region), which `Opened` holds.
-        unsafe { window.bind(&self.binder, mr, addr, len, WR_WINDOW, true) }
+        unsafe { window.bind(&self.binder, mr, addr, len, WR_BIND, true) }
             .map_err(|e| self.verb_error("ibv_bind_mw", &e))?;
         Ok(Opened {
             window,
@@ -490,18 +512,19 @@ impl VerbsConnection {
         })
     }
 
-    /// Unbinds a completed receive's window, unsignaled (it leaves the
-    /// binder's queue when the next bind completes): its key writes nothing
-    /// more. One queue keeps it before the window's next bind.
+    /// Unbinds a completed receive's window: its key writes nothing more.
+    /// Signaled: the window is reused, and its registration let go (a
+    /// registration with a window bound cannot be deregistered), only once
+    /// the unbind has completed.
     fn close_window(&mut self, mut o: Opened) -> Result<()> {
         let start = o.mr.get_ptr() as u64;
         // SAFETY: an unbind (length 0) touches no memory.
         unsafe {
             o.window
-                .bind(&self.binder, &o.mr, start, 0, WR_WINDOW, false)
+                .bind(&self.binder, &o.mr, start, 0, WR_UNBIND, true)
         }
         .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
-        self.windows.push(o.window);
+        self.unbinding.push_back(o);
         Ok(())
     }
 
@@ -702,12 +725,19 @@ impl VerbsConnection {
                 self.retire_sends();
             }
             WR_CTS => self.cts_busy[(c.wr_id & 0xffff) as usize] = false,
-            // A bind (unbinds are unsignaled): its grant may go now.
-            WR_WINDOW => {
+            // A window is bound: its grant may go now.
+            WR_BIND => {
                 let Some(cts) = self.awaiting_bind.pop_front() else {
                     return Err(self.verb_error("BIND_MW", &"completion of no posted bind"));
                 };
                 self.send_cts(cts)?;
+            }
+            // A window is unbound: it may serve another receive.
+            WR_UNBIND => {
+                let Some(o) = self.unbinding.pop_front() else {
+                    return Err(self.verb_error("BIND_MW", &"completion of no posted unbind"));
+                };
+                self.windows.push(o.window);
             }
             _ => {
                 let slot = (c.wr_id & 0xffff) as usize;
@@ -763,7 +793,8 @@ impl VerbsConnection {
             WR_DATA if c.wr_id & WR_LAST == 0 => "RDMA WRITE",
             WR_DATA => "RDMA WRITE_WITH_IMM",
             WR_CTS => "SEND (clear-to-send)",
-            WR_WINDOW => "BIND_MW",
+            WR_BIND => "BIND_MW",
+            WR_UNBIND => "BIND_MW (unbind)",
             _ => "RECV",
         };
         let status = WorkCompletionStatus::from(c.status);
@@ -882,7 +913,7 @@ impl VerbsConnection {
     fn enter_error_state(&mut self) {
         let mut attr = QueuePairAttribute::new();
         attr.setup_state(QueuePairState::Error);
-        for qp in &mut self.qps {
+        for qp in self.qps.iter_mut().chain([&mut self.binder]) {
             if let Err(e) = qp.modify(&attr) {
                 tracing::debug!(peer = self.peer, "ibv_modify_qp to ERR: {e}");
             }
@@ -1082,6 +1113,7 @@ impl Connection for VerbsConnection {
         self.sends.clear();
         self.recvs.clear();
         self.awaiting_bind.clear();
+        self.unbinding.clear();
         self.grants.clear();
         self.written = 0;
         if self.failed.is_none() {
@@ -1189,6 +1221,12 @@ mod windows {
         drive(&mut a, &mut b, |a| a.is_done(received)).unwrap();
         assert!(dst[1024..1088].iter().all(|x| *x == 0x5a));
         assert!(dst[..1024].iter().chain(&dst[1088..]).all(|x| *x == 0));
+        // The window is unbound and back in the pool, and only the
+        // registration itself holds the region (it can be deregistered).
+        drive(&mut a, &mut b, |a| a.unbinding.is_empty()).unwrap();
+        assert_eq!((a.windows.len(), a.windows_made), (1, 1));
+        let mr = &registration(&rdst, 64).unwrap().unwrap().0;
+        assert_eq!(Arc::strong_count(mr), 1);
 
         // The peer writes other bytes with the grant's key, then with the
         // registration's own: the device refuses each, and nothing lands.
@@ -1219,6 +1257,31 @@ mod windows {
             dst[1024..1088].iter().all(|x| *x == 0x5a),
             "a refused write landed"
         );
+    }
+
+    /// Receives past the windows a connection makes are refused by name,
+    /// before the completion queue could overflow.
+    #[test]
+    fn receives_past_the_windows_in_flight_are_refused() {
+        let Ok(t) = VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) else {
+            return eprintln!("skipping: no RDMA device");
+        };
+        let (mut a, _b) = pair(&t);
+        let mut dst = vec![0u8; WINDOWS_MAX + 1];
+        let rdst = t.register(dst.as_mut_ptr(), dst.len()).unwrap();
+        for i in 0..WINDOWS_MAX {
+            // SAFETY: `dst` outlives the connection's use of it (the
+            // connection is dropped first, at the end).
+            unsafe { a.irecv(&rdst, i, 1, 7) }.unwrap();
+        }
+        // SAFETY: as above.
+        let e = unsafe { a.irecv(&rdst, WINDOWS_MAX, 1, 7) }.unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("more than 256 receives") && e.contains("peer rank 1"),
+            "{e}"
+        );
+        drop(a);
     }
 
     fn lkey(r: &MemRegion) -> u32 {

@@ -9,9 +9,9 @@
 //! Binds and unbinds go on a queue pair of their own per connection (the
 //! connection's binder), never among the data's sends: a grant goes once
 //! its window's bind has completed, so the peer cannot know a key before
-//! it works, and one queue keeps each window's unbind before its next
-//! bind. sideway has no window API; its raw pd, mr and qp pointers go to
-//! libibverbs.
+//! it works; a window serves another receive, and its registration is let
+//! go, once its unbind has completed. sideway has no window API; its raw
+//! pd, mr and qp pointers go to libibverbs.
 //!
 //! (Soft-RoCE's rxe, at least in Linux 6.1, kills a window's key on
 //! unbinding but checks a write's range against the registration, not the
