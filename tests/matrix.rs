@@ -185,6 +185,14 @@ mod verbs {
         }
     }
 
+    // Grants with the registrations' keys, as on a device without windows.
+    #[test]
+    fn two_ranks_verbs_without_memory_windows() {
+        if has_rdma_device() {
+            matrix_with(2, "64K", "verbs", &[("COLL_IB_WINDOWS", "0")]);
+        }
+    }
+
     #[test]
     fn four_ranks_verbs_direct() {
         if has_rdma_device() {

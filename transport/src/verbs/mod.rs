@@ -94,14 +94,18 @@ impl VerbsTransport {
             .context
             .alloc_pd()
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
-        // A window allocated and dropped: the device has them.
-        let windows = window::Window::alloc(&pd).is_ok();
-        if !windows {
-            tracing::warn!(
-                device = %port.device,
-                "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
-            );
-        }
+        let windows = windows_wanted()?
+            && {
+                // A window allocated and dropped: the device has them.
+                let has = window::Window::alloc(&pd).is_ok();
+                if !has {
+                    tracing::warn!(
+                        device = %port.device,
+                        "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
+                    );
+                }
+                has
+            };
         tracing::info!(
             device = %port.device, port = port.port, windows, gid_index = port.gid_index, gid = %port.gid,
             mtu = device::mtu_bytes(port.mtu), max_write = longest, qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,
@@ -277,6 +281,27 @@ pub fn qps_per_peer() -> Result<usize> {
                     "COLL_IB_QPS_PER_PEER='{v}' is not a number from 1 to {MAX_QPS_PER_PEER}"
                 ))
             }),
+    }
+}
+
+/// `COLL_IB_WINDOWS`: `1` (the default) grants each receive through a
+/// memory window over its bytes (`window.rs`); `0` grants the registration's
+/// own key, sparing a bind and an unbind per receive on a fabric whose every
+/// member is trusted. Ranks may differ: a sender writes with whatever key
+/// it is granted.
+pub fn windows_wanted() -> Result<bool> {
+    match std::env::var("COLL_IB_WINDOWS") {
+        Err(_) => Ok(true),
+        Ok(v) => match v.trim() {
+            "1" => Ok(true),
+            "0" => {
+                tracing::info!("COLL_IB_WINDOWS=0: receives are granted with their registrations' keys; a peer holding one can write into that registered buffer between receives");
+                Ok(false)
+            }
+            _ => Err(Error::Invalid(format!(
+                "COLL_IB_WINDOWS='{v}' is neither 1 (memory windows) nor 0 (none)"
+            ))),
+        },
     }
 }
 
