@@ -499,12 +499,12 @@ impl VerbsConnection {
             }
             None => {
                 let why = format!("more than {WINDOWS_MAX} receives in flight or being closed");
-                return Err(self.verb_error("ibv_alloc_mw", &why));
+                return Err(self.verb_error("irecv", &why));
             }
         };
         // SAFETY: `addr..addr + len` is the posted receive, inside `mr`
         // (`slice_ptr` checked it against the region), which `Opened` holds.
-        unsafe { window.bind(&self.binder, mr, addr, len, WR_BIND, true) }
+        unsafe { window.bind(&self.binder, mr, addr, len, WR_BIND) }
             .map_err(|e| self.verb_error("ibv_bind_mw", &e))?;
         Ok(Opened {
             window,
@@ -519,12 +519,41 @@ impl VerbsConnection {
     fn close_window(&mut self, mut o: Opened) -> Result<()> {
         let start = o.mr.get_ptr() as u64;
         // SAFETY: an unbind (length 0) touches no memory.
-        unsafe {
-            o.window
-                .bind(&self.binder, &o.mr, start, 0, WR_UNBIND, true)
-        }
-        .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
+        unsafe { o.window.bind(&self.binder, &o.mr, start, 0, WR_UNBIND) }
+            .map_err(|e| self.verb_error("ibv_bind_mw (unbind)", &e))?;
         self.unbinding.push_back(o);
+        Ok(())
+    }
+
+    /// Grants the next receive, `len` bytes at `addr` of registration
+    /// `r`: now, or, through a window over them, once it is bound.
+    fn grant(&mut self, r: Option<&Registration>, addr: u64, len: u64, tag: Tag) -> Result<()> {
+        let seq = self.next_seq;
+        let (window, rkey) = match r {
+            Some(r) if len > 0 && self.windows_on => {
+                let o = self.open_window(&r.0, addr, len)?;
+                let rkey = o.window.rkey();
+                (Some(o), rkey)
+            }
+            r => (None, r.map_or(0, |r| r.0.rkey())),
+        };
+        let cts = Cts {
+            tag,
+            addr,
+            len,
+            rkey,
+            seq,
+        };
+        match window {
+            Some(_) => self.awaiting_bind.push_back(cts),
+            None => self.send_cts(cts)?,
+        }
+        self.next_seq = self.next_seq.wrapping_add(1);
+        self.recvs.push_back(Incoming {
+            seq,
+            done: false,
+            window,
+        });
         Ok(())
     }
 
@@ -995,35 +1024,10 @@ impl Connection for VerbsConnection {
     ) -> Result<Request> {
         self.failed.clone().map_or(Ok(()), Err)?;
         let addr = region.slice_ptr(offset, len)? as u64;
-        let seq = self.next_seq;
-        let (window, rkey) = match registration(region, len)? {
-            Some(r) if len > 0 && self.windows_on => {
-                let o = self.open_window(&r.0, addr, len as u64)?;
-                let rkey = o.window.rkey();
-                (Some(o), rkey)
-            }
-            r => (None, r.map_or(0, |r| r.0.rkey())),
-        };
-        self.next_seq = self.next_seq.wrapping_add(1);
-        let cts = Cts {
-            tag,
-            addr,
-            len: len as u64,
-            rkey,
-            seq,
-        };
-        // A grant through a window goes once the window is bound.
-        if window.is_some() {
-            self.awaiting_bind.push_back(cts);
-        } else if let Err(e) = self.send_cts(cts) {
+        if let Err(e) = self.grant(registration(region, len)?, addr, len as u64, tag) {
             self.failed = Some(e.clone());
             return Err(e);
         }
-        self.recvs.push_back(Incoming {
-            seq,
-            done: false,
-            window,
-        });
         Ok(self.requests.post(Direction::Recv))
     }
 
@@ -1191,16 +1195,23 @@ mod windows {
         Ok(())
     }
 
-    #[test]
-    fn a_grants_key_writes_the_receive_while_it_is_posted_and_never_after() {
-        let t = match VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
-            Ok(t) => t,
+    /// The device, or `None` (the test skips) where there is none, unless
+    /// COLL_REQUIRE_VERBS=1.
+    fn device() -> Option<VerbsTransport> {
+        match VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
+            Ok(t) => Some(t),
             Err(e) => {
                 let required = std::env::var("COLL_REQUIRE_VERBS").is_ok_and(|v| v == "1");
                 assert!(!required, "no RDMA device ({e}), and COLL_REQUIRE_VERBS=1");
-                return eprintln!("skipping: {e}");
+                eprintln!("skipping: {e}");
+                None
             }
-        };
+        }
+    }
+
+    #[test]
+    fn a_grants_key_writes_the_receive_while_it_is_posted_and_never_after() {
+        let Some(t) = device() else { return };
         let (mut a, mut b) = pair(&t);
         let mut dst = vec![0u8; 4096];
         let src = [0x5au8; 64];
@@ -1263,9 +1274,7 @@ mod windows {
     /// before the completion queue could overflow.
     #[test]
     fn receives_past_the_windows_in_flight_are_refused() {
-        let Ok(t) = VerbsTransport::open(IpAddr::V4(Ipv4Addr::LOCALHOST)) else {
-            return eprintln!("skipping: no RDMA device");
-        };
+        let Some(t) = device() else { return };
         let (mut a, _b) = pair(&t);
         let mut dst = vec![0u8; WINDOWS_MAX + 1];
         let rdst = t.register(dst.as_mut_ptr(), dst.len()).unwrap();

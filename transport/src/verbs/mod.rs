@@ -94,18 +94,7 @@ impl VerbsTransport {
             .context
             .alloc_pd()
             .map_err(|e| Error::Invalid(format!("ibv_alloc_pd on {}: {e}", port.device)))?;
-        let windows = windows_wanted()?
-            && {
-                // A window allocated and dropped: the device has them.
-                let has = window::Window::alloc(&pd).is_ok();
-                if !has {
-                    tracing::warn!(
-                        device = %port.device,
-                        "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
-                    );
-                }
-                has
-            };
+        let windows = windows_wanted()? && window::Window::supported(&pd, &port.device);
         tracing::info!(
             device = %port.device, port = port.port, windows, gid_index = port.gid_index, gid = %port.gid,
             mtu = device::mtu_bytes(port.mtu), max_write = longest, qps_per_peer = qps, ib_timeout = retry.timeout, ib_retry_cnt = retry.count,

@@ -42,6 +42,19 @@ impl Drop for Window {
 }
 
 impl Window {
+    /// Whether `device` (`pd`'s) has memory windows: one allocated and
+    /// dropped. Without, a warning says what a peer can then do.
+    pub(super) fn supported(pd: &ProtectionDomain, device: &str) -> bool {
+        let has = Self::alloc(pd).is_ok();
+        if !has {
+            tracing::warn!(
+                device,
+                "no memory windows on this device: a peer holding a grant's key can write into that registered buffer of ours between receives"
+            );
+        }
+        has
+    }
+
     /// A new window of `pd`.
     pub(super) fn alloc(pd: &ProtectionDomain) -> std::io::Result<Self> {
         // SAFETY: `pd` is a live protection domain.
@@ -52,10 +65,9 @@ impl Window {
             .ok_or_else(std::io::Error::last_os_error)
     }
 
-    /// Posts, on `qp`'s send queue, a bind of the window over `len` bytes
-    /// at `addr` of `mr` with remote write (`len` 0: an unbind), as
-    /// `wr_id`, `signaled` or not (then only an error completes it).
-    /// Returns the key a peer writes with.
+    /// Posts, on `qp`'s send queue, a signaled bind of the window over
+    /// `len` bytes at `addr` of `mr` with remote write (`len` 0: an
+    /// unbind), as `wr_id`. Its key is then `rkey()`.
     ///
     /// # Safety
     /// `addr..addr + len` lies in `mr`, which outlives the binding (the
@@ -67,18 +79,14 @@ impl Window {
         addr: u64,
         len: u64,
         wr_id: u64,
-        signaled: bool,
-    ) -> std::io::Result<u32> {
+    ) -> std::io::Result<()> {
         let access = match len {
             0 => ibv_access_flags(0),
             _ => ibv_access_flags::IBV_ACCESS_REMOTE_WRITE,
         };
         let mut bind = ibv_mw_bind {
             wr_id,
-            send_flags: match signaled {
-                true => rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0,
-                false => 0,
-            },
+            send_flags: rdma_mummy_sys::ibv_send_flags::IBV_SEND_SIGNALED.0,
             bind_info: ibv_mw_bind_info {
                 // SAFETY: the registration's own handle, live while `mr` is.
                 mr: unsafe { mr.mr().as_ptr() },
@@ -92,7 +100,7 @@ impl Window {
         let r =
             unsafe { rdma_mummy_sys::ibv_bind_mw(qp.qp().as_ptr(), self.mw.as_ptr(), &mut bind) };
         match r {
-            0 => Ok(self.rkey()),
+            0 => Ok(()),
             e => Err(std::io::Error::from_raw_os_error(e)),
         }
     }
